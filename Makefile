@@ -1,0 +1,35 @@
+# rljax build skeleton. Recipes use tabs.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench clean
+
+install: .venv/.installed
+
+.venv/bin/python:
+	python3 -m venv .venv
+
+# editable_mode=compat: a plain .pth pointing at the repo root, so top-level
+# packages created after the install (rljax/, pallas_kernels/, configs/) still import.
+.venv/.installed: pyproject.toml | .venv/bin/python
+	$(PIP) install -q -e '.[test]' --config-settings editable_mode=compat
+	touch $@
+
+run: install
+	$(PY) experiments/run_default.py
+
+# Serial on purpose (no -n): 2 cores, and some tests spawn subprocesses.
+# pytest exit 5 (no tests collected) is reported and propagated.
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "ERROR: pytest ran no tests (exit 5)"; fi; exit $$rc
+
+bench: install
+	@set -e; for f in experiments/bench_*.py; do \
+		[ -e "$$f" ] || { echo "no experiments/bench_*.py found"; exit 1; }; \
+		echo "== $$f"; $(PY) "$$f"; \
+	done
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis build *.egg-info
+	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,131 @@
+"""Attention over a block view of the KV: one function for training and decoding.
+
+Keys are grouped in blocks of `page_size` tied to absolute positions (block j holds
+positions [j*P, (j+1)*P) of its sequence). In training the blocks are the packed row
+itself (identity page table); in the engine they are gathered from the page pool through
+the sequence's page table. Because a sequence always starts on a block boundary, the
+blocks that hold its keys, and the lanes inside them, are the same in both cases; blocks
+of other sequences and lanes past the query are masked, and a masked block is an exact
+no-op of the online softmax (its running max, sum and accumulator pass through
+unchanged). That, plus the fixed-order primitives of `rljax.numerics`, is what makes a
+decode step's logits the same bits as the training forward's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from rljax.numerics import Numerics, tree_sum, det_exp
+
+NEG = -1e30  # masked score; finite so that masked lanes never make NaN gradients
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+  """The engine's KV cache: a page pool per layer and each row's page table.
+
+  k, v: [layers, num_pages, page_size, kv_heads, head_dim]; page 0 is the null page
+  (table entries of unused blocks point at it, and writes of padding tokens land there).
+  page_table: [batch, max_blocks] int32.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  page_table: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+
+def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array,
+                positions: jax.Array) -> jax.Array:
+  """Writes new[b, t] (one layer's [B, T, Hkv, D]) at its position's page slot.
+
+  Tokens with a negative position (padding) are written to the null page.
+  """
+  page_size = pool.shape[1]
+  valid = positions >= 0
+  pos = jnp.where(valid, positions, 0)
+  pages = jnp.take_along_axis(page_table, pos // page_size, axis=1)
+  pages = jnp.where(valid, pages, 0)
+  return pool.at[pages, pos % page_size].set(new.astype(pool.dtype))
+
+
+def gather_blocks(pool: jax.Array, page_table: jax.Array) -> jax.Array:
+  """[num_pages, P, Hkv, D] x [B, NB] -> [B, NB * P, Hkv, D]."""
+  b, nb = page_table.shape
+  blocks = pool[page_table]  # [B, NB, P, Hkv, D]
+  return blocks.reshape(b, nb * pool.shape[1], *pool.shape[2:])
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
+           page_size: int, numerics: Numerics, scale: float,
+           q_segments: jax.Array | None = None,
+           kv_segments: jax.Array | None = None) -> jax.Array:
+  """Causal grouped-query attention of q over a block view of keys.
+
+  q: [B, T, H, D]; k, v: [B, N, Hkv, D] with N a multiple of `page_size` (key n sits at
+  index n of its row); q_index: [B, T] index of each query in the same row (its
+  position); a key is visible to a query when n <= q_index (and, given segments, when
+  both are in the same segment). Returns [B, T, H, D] in q's dtype.
+  """
+  b, t, h, d = q.shape
+  n, hkv = k.shape[1], k.shape[2]
+  if n % page_size:
+    raise ValueError(f"key count {n} is not a multiple of page_size {page_size}")
+  g = h // hkv
+  # rows of a KV head: (query, group member), matching HF's repeat_kv head order
+  qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  kt = k.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
+  vt = v.transpose(0, 2, 1, 3)
+  key_index = jnp.arange(n, dtype=jnp.int32)
+  visible = key_index[None, None, :] <= q_index[:, :, None]  # [B, T, N]
+  if q_segments is not None:
+    visible &= kv_segments[:, None, :] == q_segments[:, :, None]
+  visible = jnp.repeat(visible, g, axis=1)[:, None]  # [B, 1, T*G, N]
+
+  s = numerics.batched_matmul("bhmd,bhnd->bhmn", qg, kt, row_axis=2) * scale
+  s = jnp.where(visible, s, NEG)
+  if numerics.deterministic:
+    out = _online_softmax_blocks(s, visible, vt, page_size, numerics)
+  else:
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
+  out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+  return out.astype(q.dtype)
+
+
+def _online_softmax_blocks(s, visible, vt, page_size, numerics):
+  """Online softmax over key blocks in order, reductions in fixed order.
+
+  The dots (scores, and p @ v of every block) are computed at once; only the running
+  rescale, which is what fixes the order, walks the blocks.
+  """
+  b, hkv, m, n = s.shape
+  nb = n // page_size
+  s = s.reshape(b, hkv, m, nb, page_size)
+  visible = visible.reshape(visible.shape[:3] + (nb, page_size))
+  block_max = jnp.max(s, axis=-1)  # exact in any order
+  run_max = lax.cummax(block_max, axis=3)
+  p = jnp.where(visible, det_exp(s - run_max[..., None]), 0.0)
+  block_sum = tree_sum(p)  # [B, Hkv, M, NB]
+  vb = vt.reshape(b, hkv, nb, page_size, vt.shape[-1])
+  pv = numerics.batched_matmul("bhmjp,bhjpd->bhjmd", p.astype(vt.dtype), vb, row_axis=2)
+  prev_max = jnp.concatenate([jnp.full_like(run_max[..., :1], NEG), run_max[..., :-1]], axis=-1)
+  alpha = det_exp(prev_max - run_max)  # exactly 1 where a block changes nothing
+
+  def step(carry, xs):
+    l, acc = carry
+    alpha_j, sum_j, pv_j = xs
+    return (l * alpha_j + sum_j, acc * alpha_j[..., None] + pv_j), None
+
+  init = (jnp.zeros((b, hkv, m), jnp.float32), jnp.zeros((b, hkv, m, vt.shape[-1]), jnp.float32))
+  xs = (jnp.moveaxis(alpha, -1, 0), jnp.moveaxis(block_sum, -1, 0), jnp.moveaxis(pv, 2, 0))
+  (l, acc), _ = lax.scan(step, init, xs)
+  return acc / jnp.where(l == 0.0, 1.0, l)[..., None]

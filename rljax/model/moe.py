@@ -1,0 +1,142 @@
+"""Dropless mixture-of-experts: routing, expert compute and a fixed-order combine.
+
+No capacity, no drops: a token's output depends only on the token. Two expert paths:
+
+* fast: slots sorted by expert and `lax.ragged_dot` (a grouped GEMM on GPU/TPU).
+* deterministic: every local expert is applied to every token with 2-D/batched bf16
+  dots whose per-row numerics do not depend on the row count, then each token's chosen
+  experts are picked out. Costs num_experts / top_k times the expert FLOPs; a grouped
+  GEMM with fixed row tiles (a Pallas kernel) is how accelerators should pay less.
+
+Expert parallelism (`expert` mesh axis > 1) runs under `jax.shard_map`: each device
+gathers the tokens of its expert group, computes its own experts for them, and an
+`all_to_all` returns every slot's output to the token's device, where the k slots are
+summed in fixed order (no psum: a psum over >= 3 devices does not sum in device order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from rljax import sharding as sharding_lib
+from rljax.numerics import Numerics, det_exp
+
+
+def silu(x: jax.Array, numerics: Numerics) -> jax.Array:
+  x = x.astype(jnp.float32)
+  if not numerics.deterministic:
+    return jax.nn.silu(x)
+  return x / (1.0 + det_exp(-x))
+
+
+def route(x: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
+          numerics: Numerics, replay: jax.Array | None = None):
+  """x [T, D] -> (expert ids [T, k] int32, weights [T, k] f32).
+
+  With `replay`, those expert ids are used instead of the top-k; their weights still
+  come from this router's probabilities, so the router keeps its gradient.
+  """
+  probs = numerics.softmax(numerics.matmul(x, router))
+  if replay is None:
+    _, ids = lax.top_k(probs, top_k)
+  else:
+    ids = replay
+  ids = ids.astype(jnp.int32)
+  weights = jnp.take_along_axis(probs, ids, axis=-1)
+  if norm_topk_prob:
+    weights = weights / numerics.sum(weights)[..., None]
+  return ids, weights
+
+
+def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array, expert_offset: jax.Array | int,
+                  numerics: Numerics) -> jax.Array:
+  """Outputs of the local experts [offset, offset + E_local) for each slot.
+
+  x [T, D]; ids [T, k] global expert ids; gate/up [D, E_local, F]; down [E_local, F, D].
+  Returns [T, k, D] in x's dtype, zero for slots whose expert is not local.
+  """
+  t, d = x.shape
+  e_local, f = gate.shape[1], gate.shape[2]
+  local = ids - expert_offset
+  is_local = (local >= 0) & (local < e_local)
+  if numerics.deterministic:
+    g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
+    u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
+    hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f).transpose(1, 0, 2)
+    # batch axis leading: XLA:CPU has no bf16 x bf16 -> f32 dot for other layouts
+    y_all = numerics.batched_matmul("etf,efd->etd", hidden, down, row_axis=1).astype(x.dtype)
+    y = jnp.take_along_axis(y_all.transpose(1, 0, 2), jnp.clip(local, 0, e_local - 1)[..., None],
+                            axis=1)
+  else:
+    k = ids.shape[1]
+    slot_expert = jnp.where(is_local, local, e_local).reshape(-1)  # non-local sort last
+    order = jnp.argsort(slot_expert, stable=True)
+    xs = x[order // k]
+    sizes = jnp.bincount(slot_expert, length=e_local + 1)[:e_local].astype(jnp.int32)
+    gate_e = gate.transpose(1, 0, 2).astype(x.dtype)
+    up_e = up.transpose(1, 0, 2).astype(x.dtype)
+    g = lax.ragged_dot(xs, gate_e, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    u = lax.ragged_dot(xs, up_e, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    hidden = silu(g, numerics).astype(x.dtype) * u
+    ys = lax.ragged_dot(hidden, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    y = jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype).reshape(t, k, d)
+  return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
+
+
+def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+  """sum_k weights[:, k] * y[:, k] in order k = 0, 1, ... (f32), returned in y's dtype."""
+  w = weights.astype(y.dtype).astype(jnp.float32)  # HF casts routing weights to the model dtype
+  acc = y[:, 0].astype(jnp.float32) * w[:, 0:1]
+  for j in range(1, y.shape[1]):
+    acc = acc + y[:, j].astype(jnp.float32) * w[:, j:j + 1]
+  return acc.astype(y.dtype)
+
+
+def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
+              numerics: Numerics, sharding: sharding_lib.Sharding | None = None,
+              replay: jax.Array | None = None):
+  """x [T, D] -> (y [T, D], expert ids [T, k])."""
+  router = sharding_lib.constrain(sharding, params["router"], ("embed", "router"), gathered=True)
+  ids, weights = route(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                       numerics=numerics, replay=replay)
+  if sharding is not None and sharding.axis_size("expert") > 1:
+    y = _experts_expert_parallel(x, ids, params, numerics, sharding)
+  else:
+    gate, up, down = (sharding_lib.constrain(sharding, params[n], axes, gathered=True)
+                      for n, axes in (("gate", ("embed", "expert", "mlp")),
+                                      ("up", ("embed", "expert", "mlp")),
+                                      ("down", ("expert", "mlp", "embed"))))
+    y = experts_local(x, ids, gate, up, down, 0, numerics)
+  return combine(y, weights), ids
+
+
+def _experts_expert_parallel(x, ids, params, numerics, sharding):
+  tokens = sharding.spec(("batch", None))
+  slots = sharding.spec(("batch", None, None))
+  w_in = sharding.spec(("embed", "expert", "mlp"), gathered=True)
+  w_out = sharding.spec(("expert", "mlp", "embed"), gathered=True)
+
+  @functools.partial(jax.shard_map, mesh=sharding.mesh,
+                     in_specs=(tokens, tokens, w_in, w_in, w_out), out_specs=slots,
+                     check_vma=False)
+  def run(x_l, ids_l, gate_l, up_l, down_l):
+    n = lax.axis_size("expert")
+    e_local = gate_l.shape[1]
+    me = lax.axis_index("expert")
+    x_group = lax.all_gather(x_l, "expert")  # [n, T_l, D]: the tokens of the expert group
+    ids_group = lax.all_gather(ids_l, "expert")
+    t_l, k = ids_l.shape
+    y = experts_local(x_group.reshape(n * t_l, -1), ids_group.reshape(n * t_l, k),
+                      gate_l, up_l, down_l, me * e_local, numerics)
+    # y[i] are this device's outputs for device i's tokens; send them home
+    y_home = lax.all_to_all(y.reshape(n, t_l, k, -1), "expert", 0, 0)  # [n (source), T_l, k, D]
+    owner = ids_l // e_local  # which device computed each slot
+    return jnp.take_along_axis(y_home, owner[None, :, :, None], axis=0)[0]
+
+  return run(x, ids, params["gate"], params["up"], params["down"])

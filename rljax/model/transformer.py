@@ -1,0 +1,197 @@
+"""`forward`: the one model function, for training, scoring, prefill and decode."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding as sharding_lib
+from rljax.model import attention, moe
+from rljax.model.config import ModelConfig
+from rljax.model.params import layer_name
+from rljax.numerics import FAST, Numerics
+
+ACT = ("batch", "length", None)  # activations: batch-sharded, features replicated
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOutput:
+  logits: jax.Array | None  # [B, T, V] f32, unless targets were given
+  logprobs: jax.Array | None  # [B, T] f32 log p(targets), when targets were given
+  routing: jax.Array | None  # [B, T, num_moe_layers, k] int32 chosen expert ids
+  kv: attention.PagedKV | None  # the updated cache, when one was given
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, numerics: Numerics) -> jax.Array:
+  """RMSNorm over the last axis, statistics in f32 (as Hugging Face Qwen3)."""
+  xf = x.astype(jnp.float32)
+  mean_sq = numerics.sum(xf * xf) * (1.0 / x.shape[-1])
+  y = (xf * lax.rsqrt(mean_sq + eps)[..., None]).astype(x.dtype)
+  return y * scale.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def rope_table(max_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """cos, sin [max_len, head_dim // 2] (f32 angles as Hugging Face computes them)."""
+  inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
+                               / head_dim))).astype(np.float32)
+  angles = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+  return np.cos(angles.astype(np.float64)).astype(np.float32), np.sin(
+      angles.astype(np.float64)).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, heads, D]; cos/sin [B, T, D/2]; rotate-half convention."""
+  half = x.shape[-1] // 2
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :half], xf[..., half:]
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _weight(sharding, w, axes):
+  return sharding_lib.constrain(sharding, w, axes, gathered=True)
+
+
+def _attention_block(p, x, cos, sin, layer_kv, ctx):
+  cfg, numerics, sharding = ctx["cfg"], ctx["numerics"], ctx["sharding"]
+  b, t, _ = x.shape
+  hd, h, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+  dt = cfg.compute_dtype
+
+  def project(name, axes, heads):
+    y = numerics.matmul(x, _weight(sharding, p[name], axes)).astype(dt)
+    return y.reshape(b, t, heads, hd)
+
+  q = project("q", ("embed", "heads"), h)
+  k = project("k", ("embed", "kv_heads"), hkv)
+  v = project("v", ("embed", "kv_heads"), hkv)
+  q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps, numerics), cos, sin)
+  k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps, numerics), cos, sin)
+
+  if layer_kv is None:  # training: the row's own keys, identity page table
+    n = -(-t // cfg.page_size) * cfg.page_size
+    pad = ((0, 0), (0, n - t), (0, 0), (0, 0))
+    keys, values = jnp.pad(k, pad), jnp.pad(v, pad)
+    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    segs = ctx["segment_ids"]
+    kv_segs = None if segs is None else jnp.pad(segs, ((0, 0), (0, n - t)), constant_values=-1)
+    new_pools = None
+  else:  # engine: write this step's keys into the pages, then read the row's blocks
+    k_pool, v_pool, table = layer_kv
+    k_pool = attention.write_pages(k_pool, k, table, ctx["positions"])
+    v_pool = attention.write_pages(v_pool, v, table, ctx["positions"])
+    keys = attention.gather_blocks(k_pool, table)
+    values = attention.gather_blocks(v_pool, table)
+    q_index, segs, kv_segs = ctx["positions"], None, None
+    new_pools = (k_pool, v_pool)
+
+  out = attention.attend(q, keys, values, q_index, page_size=cfg.page_size, numerics=numerics,
+                         scale=hd ** -0.5, q_segments=segs, kv_segments=kv_segs)
+  out = numerics.matmul(out.reshape(b, t, h * hd), _weight(sharding, p["o"], ("heads", "embed")))
+  return out.astype(dt), new_pools
+
+
+def _mlp_block(p, x, ctx):
+  cfg, numerics, sharding = ctx["cfg"], ctx["numerics"], ctx["sharding"]
+  dt = cfg.compute_dtype
+  g = numerics.matmul(x, _weight(sharding, p["gate"], ("embed", "mlp"))).astype(dt)
+  u = numerics.matmul(x, _weight(sharding, p["up"], ("embed", "mlp"))).astype(dt)
+  hidden = moe.silu(g, numerics).astype(dt) * u
+  return numerics.matmul(hidden, _weight(sharding, p["down"], ("mlp", "embed"))).astype(dt)
+
+
+def _layer(p, x, cos, sin, layer_kv, replay, ctx):
+  cfg = ctx["cfg"]
+  sharding = ctx["sharding"]
+  h = rms_norm(x, p["attn_norm"]["scale"], cfg.rms_norm_eps, ctx["numerics"])
+  attn_out, new_pools = _attention_block(p["attn"], h, cos, sin, layer_kv, ctx)
+  x = sharding_lib.constrain(sharding, x + attn_out, ACT)
+  h = rms_norm(x, p["mlp_norm"]["scale"], cfg.rms_norm_eps, ctx["numerics"])
+  ids = None
+  if "moe" in p:
+    b, t, d = h.shape
+    y, ids = moe.moe_block(h.reshape(b * t, d), p["moe"], top_k=cfg.num_experts_per_tok,
+                           norm_topk_prob=cfg.norm_topk_prob, numerics=ctx["numerics"],
+                           sharding=sharding,
+                           replay=None if replay is None else replay.reshape(b * t, -1))
+    y, ids = y.reshape(b, t, d), ids.reshape(b, t, -1)
+  else:
+    y = _mlp_block(p["mlp"], h, ctx)
+  x = sharding_lib.constrain(sharding, x + y, ACT)
+  return x, ids, new_pools
+
+
+def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
+            cfg: ModelConfig, numerics: Numerics = FAST,
+            segment_ids: jax.Array | None = None, kv: attention.PagedKV | None = None,
+            routing: jax.Array | None = None, targets: jax.Array | None = None,
+            sharding: sharding_lib.Sharding | None = None) -> ForwardOutput:
+  """The model, for every caller.
+
+  tokens, positions: [B, T] int32. Training and scoring (kv=None) take packed rows:
+  `segment_ids` [B, T] (tokens attend within their segment; 0 may mark padding) and
+  every segment must start at a multiple of `cfg.page_size` in its row, with positions
+  counting from 0 there. The engine passes `kv` (a PagedKV for all layers) and the
+  absolute positions of the new tokens (-1 for padding); their K/V are written into the
+  pages and the updated cache is returned.
+
+  routing: [B, T, num_moe_layers, k] expert ids to replay instead of the router's top-k.
+  targets: [B, T] token ids; when given, returns their log-probs instead of logits.
+  """
+  b, t = tokens.shape
+  dt = cfg.compute_dtype
+  ctx = {"cfg": cfg, "numerics": numerics, "sharding": sharding, "positions": positions,
+         "segment_ids": segment_ids}
+  table = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dt)
+  x = sharding_lib.constrain(sharding, table, ACT)
+  cos_table, sin_table = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta)
+  pos = jnp.clip(positions, 0, cfg.max_position_embeddings - 1)
+  cos, sin = jnp.asarray(cos_table)[pos], jnp.asarray(sin_table)[pos]
+
+  moe_layers = cfg.moe_layers()
+  routes, pools_k, pools_v = [], [], []
+  for i in range(cfg.num_hidden_layers):
+    replay = None
+    if routing is not None and i in moe_layers:
+      replay = routing[:, :, moe_layers.index(i)]
+    layer_kv = None if kv is None else (kv.k[i], kv.v[i], kv.page_table)
+    x, ids, new_pools = _run_layer(params["layers"][layer_name(i)], x, cos, sin,
+                                   layer_kv, replay, ctx)
+    if ids is not None:
+      routes.append(ids)
+    if new_pools is not None:
+      pools_k.append(new_pools[0])
+      pools_v.append(new_pools[1])
+
+  x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, numerics)
+  head = (params["embed"]["embedding"].T if cfg.tie_word_embeddings
+          else params["lm_head"]["kernel"])
+  logits = numerics.matmul(x, _weight(sharding, head, ("embed", "vocab")))
+  logprobs = None
+  if targets is not None:
+    logprobs = jnp.take_along_axis(numerics.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    logits = None
+  new_kv = None if kv is None else attention.PagedKV(jnp.stack(pools_k), jnp.stack(pools_v),
+                                                      kv.page_table)
+  return ForwardOutput(logits=logits, logprobs=logprobs,
+                       routing=jnp.stack(routes, axis=2) if routes else None, kv=new_kv)
+
+
+def _run_layer(p, x, cos, sin, layer_kv, replay, ctx):
+  if not ctx["cfg"].remat:
+    return _layer(p, x, cos, sin, layer_kv, replay, ctx)
+  # ctx mixes static config with arrays: close over it rather than pass it through remat
+  return jax.checkpoint(lambda *args: _layer(*args, layer_kv, replay, ctx))(p, x, cos, sin)
+
+
+def token_logprobs(params, tokens, positions, targets, **kwargs) -> jax.Array:
+  """Per-token log p(targets) [B, T] f32: the quantity trainer and engine must agree on."""
+  return forward(params, tokens, positions, targets=targets, **kwargs).logprobs

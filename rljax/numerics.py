@@ -1,0 +1,204 @@
+"""Numerics modes: `fast` (whatever XLA does) and `deterministic` (batch-invariant).
+
+In deterministic mode every reduction on the forward path has a fixed order that does
+not depend on batch size, sequence packing, page layout or position in the batch, so a
+token's logits are the same bits in a training forward, a prefill and a decode step:
+
+* matmuls take bf16 operands, accumulate in f32 and run as one 2-D dot whose row count
+  is padded to a multiple of `row_tile` (XLA:CPU's bf16 dot computes each output element
+  with a K-order that is independent of M >= 2 and of N: measured, and re-checked by
+  tests/test_numerics.py). f32 dots are *not* row-invariant on XLA:CPU (Eigen changes
+  blocking with M), so the bitwise guarantee is for bf16 compute.
+* sums are pairwise trees of elementwise adds (`tree_sum`), never XLA reductions
+  (XLA:CPU's reduction order depends on the sizes of the other axes).
+* exp and log are polynomials built from + - * / and bit operations (XLA:CPU's
+  vectorised exp/log give different bits in loop tails); they carry custom JVPs.
+* FMA contraction and excess precision are switched off by flags that `rljax`
+  installs on import (see rljax/__init__.py).
+
+Backward passes are not covered: gradients need not be invariant, only the forward
+log-probs that the trainer and the engine both compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+import rljax
+
+Mode = Literal["fast", "deterministic"]
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693359375  # ln2 split so that n * _LN2_HI is exact for |n| < 2**9
+_LN2_LO = -2.12194440e-4
+_EXP_MAX = 88.0
+_EXP_MIN = -87.0  # below this exp() returns 0: 2**-126 is the smallest normal f32
+_SQRT_HALF = 0.70710678118654752
+
+
+@jax.custom_jvp
+def det_exp(x: jax.Array) -> jax.Array:
+  """exp(x) in f32 from + - * / and bit operations (Cephes expf, <= 2 ulp)."""
+  x = x.astype(jnp.float32)
+  xc = jnp.clip(x, _EXP_MIN, _EXP_MAX)
+  n = jnp.floor(xc * _LOG2E + 0.5)
+  r = xc - n * _LN2_HI
+  r = r - n * _LN2_LO
+  p = jnp.float32(1.9875691500e-4)
+  for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+            5.0000001201e-1):
+    p = p * r + c
+  y = p * (r * r) + r + 1.0
+  scale = lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+  return jnp.where(x < _EXP_MIN, 0.0, y * scale).astype(jnp.float32)
+
+
+@det_exp.defjvp
+def _det_exp_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  y = det_exp(x)
+  return y, y * t.astype(jnp.float32)
+
+
+@jax.custom_jvp
+def det_log(x: jax.Array) -> jax.Array:
+  """log(x) in f32 for x >= 0 from + - * / and bit operations (Cephes logf)."""
+  x = x.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 126
+  m = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F000000, jnp.float32)
+  small = m < _SQRT_HALF
+  e = jnp.where(small, e - 1, e).astype(jnp.float32)
+  m = jnp.where(small, m + m - 1.0, m - 1.0)
+  z = m * m
+  p = jnp.float32(7.0376836292e-2)
+  for c in (-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+            -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1):
+    p = p * m + c
+  y = p * m * z
+  y = y + e * _LN2_LO
+  y = y - 0.5 * z
+  y = m + y + e * _LN2_HI
+  y = jnp.where(x == jnp.inf, jnp.inf, y)
+  y = jnp.where(x == 0.0, -jnp.inf, y)
+  return jnp.where(x < 0.0, jnp.nan, y)
+
+
+@det_log.defjvp
+def _det_log_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return det_log(x), t.astype(jnp.float32) / x.astype(jnp.float32)
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+  """Sums the last axis as a pairwise tree of elementwise adds (fixed order)."""
+  n = x.shape[-1]
+  width = 1 << max(n - 1, 0).bit_length()
+  if width != n:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x[..., 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """The primitives whose order of reduction the model depends on.
+
+  Hashable, so it is passed to jitted functions as a static argument.
+  """
+
+  mode: Mode = "fast"
+  row_tile: int = 8
+
+  def __post_init__(self):
+    if self.mode not in ("fast", "deterministic"):
+      raise ValueError(f"numerics mode must be 'fast' or 'deterministic', got {self.mode!r}")
+    if self.deterministic and not rljax.XLA_FLAGS_ACTIVE:
+      raise RuntimeError(
+          "deterministic numerics needs the XLA flags rljax installs on import "
+          f"({' '.join(rljax.REQUIRED_XLA_FLAGS)}), but the JAX backend was created "
+          "before rljax was imported. Import rljax first, or set XLA_FLAGS yourself.")
+
+  @property
+  def deterministic(self) -> bool:
+    return self.mode == "deterministic"
+
+  def pad_rows(self, n: int) -> int:
+    """Row count that the deterministic matmul pads `n` rows to."""
+    if not self.deterministic:
+      return n
+    return max(self.row_tile, -(-n // self.row_tile) * self.row_tile)
+
+  def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., K] @ w[K, N] -> f32[..., N], operands in the dtype of `x`."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    w = w.astype(x.dtype)
+    if not self.deterministic:
+      return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    mp = self.pad_rows(m)
+    if mp != m:
+      x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
+    y = jnp.dot(x2, w, preferred_element_type=jnp.float32)
+    return y[:m].reshape(*lead, w.shape[-1])
+
+  def batched_matmul(self, spec: str, a: jax.Array, b: jax.Array, row_axis: int) -> jax.Array:
+    """einsum(spec, a, b) -> f32, with a's `row_axis` padded like `matmul` rows."""
+    if not self.deterministic:
+      return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
+    m = a.shape[row_axis]
+    mp = self.pad_rows(m)
+    if mp != m:
+      pad = [(0, 0)] * a.ndim
+      pad[row_axis] = (0, mp - m)
+      a = jnp.pad(a, pad)
+    y = jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
+    out_row_axis = _output_axis(spec, row_axis)
+    return lax.slice_in_dim(y, 0, m, axis=out_row_axis)
+
+  def sum(self, x: jax.Array) -> jax.Array:
+    """Sum over the last axis."""
+    return tree_sum(x) if self.deterministic else jnp.sum(x, axis=-1)
+
+  def exp(self, x: jax.Array) -> jax.Array:
+    return det_exp(x) if self.deterministic else jnp.exp(x)
+
+  def log(self, x: jax.Array) -> jax.Array:
+    return det_log(x) if self.deterministic else jnp.log(x)
+
+  def softmax(self, x: jax.Array) -> jax.Array:
+    """Softmax over the last axis, in f32."""
+    x = x.astype(jnp.float32)
+    if not self.deterministic:
+      return jax.nn.softmax(x, axis=-1)
+    e = det_exp(x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / tree_sum(e)[..., None]
+
+  def log_softmax(self, x: jax.Array) -> jax.Array:
+    """Log-softmax over the last axis, in f32, one row at a time."""
+    x = x.astype(jnp.float32)
+    if not self.deterministic:
+      return jax.nn.log_softmax(x, axis=-1)
+    shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return shifted - det_log(tree_sum(det_exp(shifted)))[..., None]
+
+
+def _output_axis(spec: str, lhs_axis: int) -> int:
+  lhs, rest = spec.split(",")
+  out = rest.split("->")[1]
+  return out.index(lhs.strip()[lhs_axis])
+
+
+FAST = Numerics("fast")
+
+
+def get(mode: Mode | Numerics) -> Numerics:
+  return mode if isinstance(mode, Numerics) else Numerics(mode)

@@ -1,0 +1,104 @@
+"""The mesh and the one table that maps logical axis names to mesh axes.
+
+Model code names tensor roles ("embed", "expert", "batch", ...) and never mesh axes.
+`RULES` is the training table; `DECODE_RULES` is its decode variant (weights replicated
+over `fsdp`, since decode steps are latency-bound and re-gathering weights every token
+costs more than the memory it saves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+MESH_AXES = ("data", "fsdp", "expert", "model")
+
+LogicalAxes = tuple[str | None, ...]
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None for replicated)
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "model"),
+    ("heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("mlp", "model"),
+    ("expert", "expert"),
+    ("router", None),
+    ("layers", None),
+    ("pages", None),
+    ("page_slot", None),
+)
+DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
+    (name, None if name == "embed" else axes) for name, axes in RULES)
+
+
+def make_mesh(shape: Mapping[str, int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A 4-axis mesh (data, fsdp, expert, model); unnamed axes get size 1.
+
+  `shape=None` puts every device on `data`.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  shape = dict(shape or {"data": len(devices)})
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}")
+  sizes = tuple(int(shape.get(a, 1)) for a in MESH_AXES)
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} "
+                     f"devices, have {len(devices)}")
+  return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """A mesh with a rules table. Hashable: pass it to jitted functions as static."""
+
+  mesh: Mesh
+  rules: tuple[tuple[str, Any], ...] = RULES
+
+  def axis_size(self, mesh_axis: str) -> int:
+    return self.mesh.shape[mesh_axis]
+
+  def spec(self, logical: LogicalAxes, *, gathered: bool = False) -> P:
+    """PartitionSpec for logical axes; `gathered` drops `fsdp` (weights at use)."""
+    table = dict(self.rules)
+    out, used = [], set()
+    for name in logical:
+      axes = table.get(name) if name is not None else None
+      if name is not None and name not in table:
+        raise KeyError(f"logical axis {name!r} has no rule; add it to rljax.sharding.RULES")
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      axes = tuple(a for a in axes
+                   if a not in used and self.mesh.shape[a] > 1 and not (gathered and a == "fsdp"))
+      used.update(axes)
+      out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+  def named(self, logical: LogicalAxes, *, gathered: bool = False) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(logical, gathered=gathered))
+
+  def constrain(self, x: jax.Array, logical: LogicalAxes, *, gathered: bool = False) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, self.named(logical, gathered=gathered))
+
+  def tree_shardings(self, logical_tree: Any) -> Any:
+    """Maps a tree whose leaves are logical-axes tuples to NamedShardings."""
+    return jax.tree.map(self.named, logical_tree, is_leaf=_is_axes)
+
+
+def constrain(sharding: Sharding | None, x: jax.Array, logical: LogicalAxes,
+              *, gathered: bool = False) -> jax.Array:
+  """`sharding.constrain(...)`, or `x` unchanged when running unsharded."""
+  return x if sharding is None else sharding.constrain(x, logical, gathered=gathered)
+
+
+def _is_axes(x: Any) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

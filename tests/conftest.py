@@ -1,0 +1,24 @@
+import rljax  # noqa: F401  (installs the XLA flags before JAX starts)
+
+import jax
+import pytest
+
+from rljax.model import ModelConfig, init_params
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, intermediate_size=96, mlp_only_layers=(0,),
+            max_position_embeddings=256, page_size=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> ModelConfig:
+  return ModelConfig(**TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+  # std 0.02 init makes a nearly uniform policy; larger weights make routing and
+  # attention sharp enough that a one-ulp difference would show.
+  params = init_params(tiny_cfg, jax.random.key(0), "float32")
+  return jax.tree.map(lambda x: (x * 10 if x.ndim > 1 else x).astype("bfloat16"), params)
