@@ -1,0 +1,1 @@
+"""ml_collections configs: each file's get_config() returns a ConfigDict."""

@@ -1,0 +1,267 @@
+"""The Hugging Face Qwen3-MoE importer: logits parity with transformers' Qwen3MoeForCausalLM
+for both expert layouts, and clear errors for checkpoints that do not match."""
+
+import functools
+import json
+import os
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402  (rljax, imported by conftest, installs the XLA flags first)
+import numpy as np  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from rljax.model import forward  # noqa: E402
+from rljax.model.hf_import import config_from_hf, load_hf_checkpoint  # noqa: E402
+from rljax.numerics import Numerics  # noqa: E402
+
+HF_CONFIG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, intermediate_size=96, mlp_only_layers=[0],
+                 norm_topk_prob=True, max_position_embeddings=256,
+                 # not transformers' defaults (1e4, 1e-6), so parity checks that they are read
+                 rope_theta=1e6, rms_norm_eps=1e-5)
+SEED = 0
+BATCH, LENGTH = 2, 40
+# Everything runs in f32 on both sides, so logits differ only by summation order (XLA vs
+# torch matmuls, softmax and RMSNorm reductions; the deterministic mode's tree sums) and
+# by RoPE cos/sin, which rope_table takes in f64 of f32 angles and torch in f32 (<= 1 ulp).
+# With weights of std 0.2 the logits reach ~6 and the measured max diff is ~8e-6 in both
+# modes (a few f32 ulps of the logits); 1e-4 leaves a wide margin, while a mapping error
+# (swapped gate/up, q/k norms or experts, wrong rope_theta, norm_topk_prob or
+# rms_norm_eps 1e-6 vs 1e-5) was measured to move the logits by 8e-4 to 4.
+ATOL = 1e-4
+# A near-tie between the k-th and (k+1)-th router probability could flip an expert choice
+# under f32 reordering, and the logits would then differ by O(1) for a correct import.
+# The test asserts that our routing equals HF's top-k on every token and that SEED has a
+# margin well above f32 noise (it is deterministic: the same seed, the same margin), so a
+# failure can never be a near-tie flake.
+MIN_ROUTER_MARGIN = 1e-4
+
+
+def _hf_model():
+  cfg = transformers.Qwen3MoeConfig(**HF_CONFIG)
+  cfg._attn_implementation = "eager"
+  cfg._experts_implementation = "eager"  # the reference per-expert loop
+  torch.manual_seed(SEED)
+  model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+  with torch.no_grad():
+    for _, p in model.named_parameters():
+      if p.ndim >= 2:  # std 0.2: sharp attention and clearly non-uniform routing
+        p.normal_(0.0, 0.2)
+      else:  # norm scales away from 1, so a misplaced norm weight shows
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The HF model saved in each layout, with its logits and routing on a fixed batch."""
+  model = _hf_model()
+  root = tmp_path_factory.mktemp("hf")
+  dirs = {"save_pretrained": root / "hub", "save_pretrained_fused": root / "fused",
+          "handwritten_per_expert": root / "manual"}
+  # transformers 5 reverts its fused in-memory experts to the hub's per-expert keys by
+  # default (save_original_format=True); save_original_format=False keeps the fused tensors.
+  model.save_pretrained(dirs["save_pretrained"])
+  model.save_pretrained(dirs["save_pretrained_fused"], save_original_format=False)
+  _write_per_expert_by_hand(model, dirs["handwritten_per_expert"], dirs["save_pretrained"])
+
+  rng = np.random.default_rng(SEED)
+  tokens = rng.integers(0, HF_CONFIG["vocab_size"], size=(BATCH, LENGTH)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), (BATCH, LENGTH)).copy()
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(tokens).long(),
+                position_ids=torch.from_numpy(positions).long(), output_router_logits=True)
+  router_logits = [r.float().numpy() for r in out.router_logits]  # per MoE layer [B*T, E]
+  return dict(dirs=dirs, tokens=tokens, positions=positions, logits=out.logits.float().numpy(),
+              router_logits=router_logits, state_dict=_numpy_state_dict(model))
+
+
+def _numpy_state_dict(model):
+  return {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _write_per_expert_by_hand(model, out_dir, config_src):
+  """The hub layout, written from the in-memory fused tensors without transformers' saver."""
+  os.makedirs(out_dir)
+  shutil.copy(config_src / "config.json", out_dir / "config.json")
+  f = HF_CONFIG["moe_intermediate_size"]
+  tensors = {}
+  for k, v in _numpy_state_dict(model).items():
+    if k.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows, then up rows
+      pre = k[:-len("gate_up_proj")]
+      for e in range(v.shape[0]):
+        tensors[f"{pre}{e}.gate_proj.weight"] = np.ascontiguousarray(v[e, :f])
+        tensors[f"{pre}{e}.up_proj.weight"] = np.ascontiguousarray(v[e, f:])
+    elif k.endswith("mlp.experts.down_proj"):  # [E, D, F]
+      pre = k[:-len("down_proj")]
+      for e in range(v.shape[0]):
+        tensors[f"{pre}{e}.down_proj.weight"] = np.ascontiguousarray(v[e])
+    else:
+      tensors[k] = v
+  # two shards, to exercise reading every file in the directory
+  names = sorted(tensors)
+  save_file({k: tensors[k] for k in names[::2]}, str(out_dir / "model-00001-of-00002.safetensors"))
+  save_file({k: tensors[k] for k in names[1::2]}, str(out_dir / "model-00002-of-00002.safetensors"))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(cfg, numerics):
+  def run(params, tokens, positions):
+    out = forward(params, tokens, positions, cfg=cfg, numerics=numerics, segment_ids=None)
+    return out.logits, out.routing
+  return jax.jit(run)
+
+
+def _check_routing(ref, routing, cfg):
+  """Our chosen experts equal HF's top-k on every token of every MoE layer."""
+  k = cfg.num_experts_per_tok
+  routing = np.asarray(routing).reshape(BATCH * LENGTH, len(cfg.moe_layers()), k)
+  for j, logits in enumerate(ref["router_logits"]):
+    probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    margin = (sorted_probs[:, k - 1] - sorted_probs[:, k]).min()
+    assert margin > MIN_ROUTER_MARGIN, (
+        f"MoE layer {j}: near-tie routing (margin {margin}), pick another SEED")
+    np.testing.assert_array_equal(np.sort(routing[:, j], axis=-1), np.sort(order[:, :k], axis=-1),
+                                  err_msg=f"MoE layer {j}: routing differs from HF")
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "save_pretrained_fused",
+                                    "handwritten_per_expert"])
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_logits_match_transformers(reference, layout, mode):
+  cfg, params = load_hf_checkpoint(str(reference["dirs"][layout]), dtype="float32",
+                                   param_dtype="float32", compute_dtype="float32")
+  assert cfg.dtype == "float32" and cfg.param_dtype == "float32"
+  assert len(cfg.moe_layers()) == 2 and cfg.dense_layers() == (0,)
+  logits, routing = _jitted_forward(cfg, Numerics(mode))(params, reference["tokens"],
+                                                          reference["positions"])
+  _check_routing(reference, routing, cfg)
+  diff = np.abs(np.asarray(logits) - reference["logits"]).max()
+  print(f"{layout} {mode}: max |logits - HF logits| = {diff:.3g}")
+  assert diff <= ATOL, diff
+
+
+def test_layouts_give_identical_params(reference):
+  trees = [load_hf_checkpoint(str(d), dtype="float32")[1] for d in reference["dirs"].values()]
+  for other in trees[1:]:
+    jax.tree.map(np.testing.assert_array_equal, trees[0], other)
+  # and the mapping itself, spot-checked against the torch tensors
+  sd, p = reference["state_dict"], trees[0]
+  f = HF_CONFIG["moe_intermediate_size"]
+  np.testing.assert_array_equal(p["layers"]["layer_001"]["moe"]["gate"][:, 3, :],
+                                sd["model.layers.1.mlp.experts.gate_up_proj"][3, :f].T)
+  np.testing.assert_array_equal(p["layers"]["layer_002"]["moe"]["down"][5],
+                                sd["model.layers.2.mlp.experts.down_proj"][5].T)
+  np.testing.assert_array_equal(p["layers"]["layer_000"]["mlp"]["down"],
+                                sd["model.layers.0.mlp.down_proj.weight"].T)
+  np.testing.assert_array_equal(p["lm_head"]["kernel"], sd["lm_head.weight"].T)
+
+
+def _rewrite(src, dst, edit):
+  os.makedirs(dst)
+  shutil.copy(src / "config.json", dst / "config.json")
+  tensors = load_file(str(src / "model.safetensors"))
+  edit(tensors)
+  save_file(tensors, str(dst / "model.safetensors"))
+  return str(dst)
+
+
+def test_missing_and_unexpected_tensors_raise(reference, tmp_path):
+  src = reference["dirs"]["save_pretrained"]
+  missing = _rewrite(src, tmp_path / "missing",
+                     lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+  with pytest.raises(ValueError, match=r"missing tensors \(1\).*experts\.5\.up_proj"):
+    load_hf_checkpoint(missing)
+
+  def add(t):
+    t["model.layers.1.mlp.shared_expert.up_proj.weight"] = np.zeros((4, 64), np.float32)
+  extra = _rewrite(src, tmp_path / "extra", add)
+  with pytest.raises(ValueError, match=r"unexpected tensors \(1\).*shared_expert\.up_proj"):
+    load_hf_checkpoint(extra)
+
+  def reshape(t):
+    t["model.norm.weight"] = np.ones((65,), np.float32)
+  wrong = _rewrite(src, tmp_path / "wrong_shape", reshape)
+  with pytest.raises(ValueError,
+                     match=r"model\.norm\.weight: checkpoint \(65,\), expected \(64,\)"):
+    load_hf_checkpoint(wrong)
+
+
+def test_bf16_checkpoint(reference, tmp_path):
+  """bf16 tensors (which safetensors' numpy framework cannot return) load exactly."""
+  from safetensors.torch import save_file as torch_save_file
+  src = reference["dirs"]["save_pretrained"]
+  os.makedirs(tmp_path / "bf16")
+  shutil.copy(src / "config.json", tmp_path / "bf16" / "config.json")
+  tensors = {k: torch.from_numpy(v).to(torch.bfloat16)
+             for k, v in load_file(str(src / "model.safetensors")).items()}
+  torch_save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
+  cfg, params = load_hf_checkpoint(str(tmp_path / "bf16"), dtype="bfloat16")
+  assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"
+  q = params["layers"]["layer_001"]["attn"]["q"]
+  assert q.dtype == jax.numpy.bfloat16
+  want = tensors["model.layers.1.self_attn.q_proj.weight"].float().numpy().T
+  np.testing.assert_array_equal(np.asarray(q, np.float32), want)
+  _, params32 = load_hf_checkpoint(str(tmp_path / "bf16"), dtype="float32")
+  np.testing.assert_array_equal(
+      np.asarray(params32["layers"]["layer_002"]["moe"]["up"]),
+      np.asarray(params["layers"]["layer_002"]["moe"]["up"], np.float32))
+
+
+BASE_JSON = dict(HF_CONFIG, num_local_experts=8)
+del BASE_JSON["num_experts"]
+
+
+def test_config_from_hf():
+  cfg = config_from_hf(dict(BASE_JSON, rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1e6}))
+  assert (cfg.num_experts, cfg.rope_theta, cfg.head_dim, cfg.mlp_only_layers) == (8, 1e6, 16, (0,))
+  # transformers 4.x: top-level rope_theta, rope_scaling null
+  hf4 = dict(HF_CONFIG, rope_theta=5e5, rope_scaling=None)
+  hf4.pop("head_dim")
+  cfg = config_from_hf(hf4, page_size=8)
+  assert (cfg.rope_theta, cfg.head_dim, cfg.page_size) == (5e5, 16, 8)
+  cfg = config_from_hf(dict(HF_CONFIG, rope_scaling={"rope_type": "default"}))
+  assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.norm_topk_prob) == (1e6, 1e-5, True)
+  # keys left out take transformers' Qwen3MoeConfig defaults
+  bare = {k: v for k, v in BASE_JSON.items() if k not in ("rope_theta", "norm_topk_prob")}
+  cfg = config_from_hf(bare)
+  assert (cfg.rope_theta, cfg.norm_topk_prob) == (1e4, False)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "unsupported RoPE scaling type 'yarn'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     "unsupported RoPE scaling type 'linear'"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_config_from_hf_rejects(bad, message):
+  with pytest.raises(ValueError, match=message):
+    config_from_hf(dict(BASE_JSON, **bad))
+
+
+def test_tied_embeddings(reference, tmp_path):
+  """A tied checkpoint without lm_head loads; one whose stored head differs is rejected."""
+  src = reference["dirs"]["save_pretrained"]
+  dst = tmp_path / "tied"
+  os.makedirs(dst)
+  hf = json.loads((src / "config.json").read_text())
+  (dst / "config.json").write_text(json.dumps(dict(hf, tie_word_embeddings=True)))
+  tensors = load_file(str(src / "model.safetensors"))
+  head = tensors.pop("lm_head.weight")
+  save_file(tensors, str(dst / "model.safetensors"))
+  cfg, params = load_hf_checkpoint(str(dst))
+  assert cfg.tie_word_embeddings and "lm_head" not in params
+  save_file(dict(tensors, **{"lm_head.weight": head}), str(dst / "model.safetensors"))
+  with pytest.raises(ValueError, match="lm_head.weight differs"):
+    load_hf_checkpoint(str(dst))

@@ -1,0 +1,117 @@
+"""The deterministic primitives: accuracy, and invariance to the shapes around them."""
+
+import os
+
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rljax
+from rljax.numerics import Numerics, det_exp, det_log, tree_sum
+
+DET, FAST = Numerics("deterministic"), Numerics("fast")
+
+
+def test_xla_flags_installed_and_fma_contraction_off():
+  for flag in rljax.REQUIRED_XLA_FLAGS:
+    assert flag in os.environ["XLA_FLAGS"]
+  assert rljax.XLA_FLAGS_ACTIVE
+  rng = np.random.default_rng(0)
+  a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
+  fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
+  np.testing.assert_array_equal(fused, (a * b).astype(np.float32) + c)  # two roundings
+
+
+def test_det_exp_accuracy():
+  x = np.linspace(-87.0, 88.0, 200_001, dtype=np.float32)
+  got = np.asarray(jax.jit(det_exp)(x), np.float64)
+  want = np.exp(x.astype(np.float64))
+  # Cephes expf is accurate to ~1 ulp; allow 2 ulp of f32 (2 * 2**-23 relative)
+  assert np.max(np.abs(got - want) / want) < 2.4e-7
+  assert float(det_exp(jnp.float32(-100.0))) == 0.0
+  assert float(det_exp(jnp.float32(0.0))) == 1.0  # masked blocks rely on exp(0) == 1 exactly
+
+
+def test_det_log_accuracy():
+  x = np.concatenate([np.geomspace(1e-30, 1e30, 100_001), np.linspace(0.5, 2.0, 10_001)])
+  x = x.astype(np.float32)
+  got = np.asarray(jax.jit(det_log)(x), np.float64)
+  want = np.log(x.astype(np.float64))
+  assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1.0)) < 2.4e-7
+  assert float(det_log(jnp.float32(0.0))) == -np.inf
+  assert np.isnan(float(det_log(jnp.float32(-1.0))))
+
+
+def test_det_exp_log_gradients():
+  x = jnp.linspace(-3.0, 3.0, 11)
+  np.testing.assert_allclose(jax.grad(lambda v: det_exp(v).sum())(x), jnp.exp(x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda v: det_log(v).sum())(jnp.exp(x)), jnp.exp(-x),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [det_exp, det_log, tree_sum], ids=["exp", "log", "tree_sum"])
+def test_elementwise_results_do_not_depend_on_array_size(fn):
+  """XLA:CPU's vectorised exp/log differ in loop tails; ours must not."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(np.abs(rng.standard_normal((67, 33))).astype(np.float32) + 0.01)
+  run = jax.jit(fn)
+  full = np.asarray(run(x))
+  for rows in (1, 2, 3, 7, 8, 9, 31):
+    np.testing.assert_array_equal(np.asarray(run(x[:rows])), full[:rows])
+  if fn is not tree_sum:
+    for cols in (1, 3, 7, 9, 17):
+      np.testing.assert_array_equal(np.asarray(run(x[:, :cols])), full[:, :cols])
+
+
+def test_tree_sum_matches_sum():
+  x = np.random.default_rng(2).standard_normal((5, 37)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(tree_sum(x)), x.sum(-1), rtol=1e-5, atol=1e-5)
+  assert tree_sum(jnp.ones((3, 1))).shape == (3,)
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (256, 512), (768, 2048)])
+def test_det_matmul_rows_are_batch_invariant(k, n):
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+  mm = jax.jit(DET.matmul)
+  full = np.asarray(mm(x, w))
+  for lo, hi in ((0, 1), (5, 6), (0, 2), (7, 10), (100, 164), (13, 300)):
+    np.testing.assert_array_equal(np.asarray(mm(x[lo:hi], w)), full[lo:hi])
+  # columns too: an expert's slice of a fused weight computes the same bits
+  np.testing.assert_array_equal(np.asarray(mm(x[:9], w[:, n // 4:n // 2])),
+                                full[:9, n // 4:n // 2])
+
+
+def test_fast_matmul_of_one_row_differs_here():
+  """Why matmul rows are padded: on this jaxlib, a 1-row bf16 dot takes another kernel.
+  Informational: if a jaxlib makes 1-row dots invariant, the padding is merely unneeded."""
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
+  mm = jax.jit(FAST.matmul)
+  diff = float(np.max(np.abs(np.asarray(mm(x[:1], w)) - np.asarray(mm(x, w))[:1])))
+  print(f"fast 1-row vs 64-row dot: max diff {diff:.3g}")
+
+
+def test_det_softmax_and_log_softmax():
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 151)) * 5, jnp.float32)
+  np.testing.assert_allclose(DET.softmax(x), jax.nn.softmax(x), rtol=2e-6, atol=1e-7)
+  np.testing.assert_allclose(DET.log_softmax(x), jax.nn.log_softmax(x), rtol=2e-6, atol=2e-6)
+  chex.assert_trees_all_equal(jax.jit(DET.log_softmax)(x[:1]), jax.jit(DET.log_softmax)(x)[:1])
+
+
+def test_batched_matmul_pads_and_slices_rows():
+  a = jnp.ones((2, 3, 1, 16), jnp.bfloat16)
+  b = jnp.ones((2, 3, 5, 16), jnp.bfloat16)
+  out = DET.batched_matmul("bhmd,bhnd->bhmn", a, b, row_axis=2)
+  assert out.shape == (2, 3, 1, 5) and out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, 16.0)
+
+
+def test_bad_mode_is_rejected():
+  with pytest.raises(ValueError, match="numerics mode"):
+    Numerics("exact")
