@@ -1,0 +1,177 @@
+"""Deterministic vs fast numerics: exactness and cost, side by side in one run.
+
+Workload (configs/tiny_moe.py, bf16): a training step = jitted value_and_grad of the
+masked mean NLL over 8 packed rows of 128 tokens; a decode step = one token for each of
+32 slots over a paged KV cache (8 pages of 16 per slot, 40 tokens already cached).
+Exactness: 8 sequences (lengths 9..70) decoded one token at a time through the paged
+engine path vs the training forward; max |log-prob difference| over all tokens.
+Timing: the two modes alternate (A B A B ...), each sample is the median of a few calls,
+and the reported ratio is the median of per-pair ratios. `rljax_xla_flags_cost_fast_train`
+is fast-mode train step time with / without the process-wide XLA flags that rljax sets
+(alternating child processes). Last line: one JSON object.
+"""
+
+import rljax  # noqa: F401  (XLA flags first)
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import tiny_moe
+from rljax.model import ModelConfig, PagedKV, forward, init_params
+from rljax.model.packing import pack, unpack
+from rljax.numerics import Numerics
+
+_PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
+_CALLS = flags.DEFINE_integer("calls", 3, "calls per timing sample (median taken)")
+_CHILD = flags.DEFINE_bool("child_fast_train", False, "internal: time fast train steps, print ms")
+# The flags rljax installs apply to the whole process, fast mode included. To show what
+# they cost, child processes with and without them alternate, timing fast train steps.
+_NO_RLJAX_FLAGS = "--xla_cpu_max_isa=AVX512 --xla_allow_excess_precision=true"
+
+
+def _targets(tokens):
+  return np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+
+
+def _params(cfg):
+  p = init_params(cfg, jax.random.key(0), "float32")  # sharpen: x10 on matrices
+  return jax.tree.map(lambda x: (x * 10 if x.ndim > 1 else x).astype(cfg.param_dtype), p)
+
+
+def _decode_vs_train(cfg, params, numerics, seqs):
+  p = pack(seqs, 128, cfg.page_size)
+  train = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=cfg, numerics=numerics,
+                                      segment_ids=p.segment_ids,
+                                      targets=_targets(p.tokens)).logprobs)(params)
+  train = [x[:-1] for x in unpack(np.asarray(train), p)]
+  b, n = len(seqs), max(len(s) for s in seqs)
+  tokens = np.zeros((b, n), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  targets = _targets(tokens)
+  blocks = -(-n // cfg.page_size)
+  table = 1 + np.random.default_rng(1).permutation(b * blocks).reshape(b, blocks)
+  shape = (cfg.num_hidden_layers, 1 + b * blocks, cfg.page_size, cfg.num_key_value_heads,
+           cfg.head_dim)
+  kv = PagedKV(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype),
+               jnp.asarray(table, jnp.int32))
+  step = jax.jit(lambda prm, t, pos, kv, tg: forward(prm, t, pos, cfg=cfg, numerics=numerics,
+                                                     kv=kv, targets=tg))
+  lengths = np.array([len(s) for s in seqs])
+  dec = np.zeros((b, n), np.float32)
+  for i in range(n):
+    pos = np.where(i < lengths, i, -1).astype(np.int32)[:, None]
+    res = step(params, tokens[:, i:i + 1], pos, kv, targets[:, i:i + 1])
+    kv = res.kv
+    dec[:, i] = np.asarray(res.logprobs)[:, 0]
+  return max(float(np.max(np.abs(t - dec[i, :len(t)]))) for i, t in enumerate(train))
+
+
+def _train_step(cfg, numerics):
+  rng = np.random.default_rng(2)
+  seqs = [rng.integers(1, cfg.vocab_size, size=int(n)) for n in rng.integers(20, 60, size=16)]
+  p = pack(seqs, 128, cfg.page_size, num_rows=8)
+  mask = (p.segment_ids > 0).astype(np.float32)
+  batch = (p.tokens, p.positions, p.segment_ids, _targets(p.tokens), mask)
+
+  def loss(params, batch):
+    tokens, positions, segs, targets, mask = batch
+    lp = forward(params, tokens, positions, cfg=cfg, numerics=numerics, segment_ids=segs,
+                 targets=targets).logprobs
+    return -jnp.sum(lp * mask) / jnp.sum(mask)
+
+  fn = jax.jit(jax.value_and_grad(loss))
+  return lambda params: fn(params, batch)
+
+
+def _decode_step(cfg, numerics, slots=32, cached=40, pages_per_slot=8):
+  table = 1 + np.arange(slots * pages_per_slot).reshape(slots, pages_per_slot)
+  shape = (cfg.num_hidden_layers, 1 + slots * pages_per_slot, cfg.page_size,
+           cfg.num_key_value_heads, cfg.head_dim)
+  rng = np.random.default_rng(3)
+  kv = PagedKV(jnp.asarray(rng.standard_normal(shape), cfg.compute_dtype),
+               jnp.asarray(rng.standard_normal(shape), cfg.compute_dtype),
+               jnp.asarray(table, jnp.int32))
+  tokens = rng.integers(1, cfg.vocab_size, size=(slots, 1)).astype(np.int32)
+  pos = np.full((slots, 1), cached, np.int32)
+  fn = jax.jit(lambda prm, kv: forward(prm, tokens, pos, cfg=cfg, numerics=numerics, kv=kv,
+                                       targets=tokens))
+  return lambda params: fn(params, kv)
+
+
+def _time(fn, params, calls):
+  samples = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(params))
+    samples.append(time.perf_counter() - t0)
+  return statistics.median(samples)
+
+
+def _ratio(make, cfg, params, pairs, calls):
+  det, fast = make(cfg, Numerics("deterministic")), make(cfg, Numerics("fast"))
+  for fn in (det, fast):
+    jax.block_until_ready(fn(params))  # compile
+  ratios, t_det, t_fast = [], [], []
+  for _ in range(pairs):
+    a, b = _time(det, params, calls), _time(fast, params, calls)
+    ratios.append(a / b)
+    t_det.append(a)
+    t_fast.append(b)
+  return statistics.median(ratios), statistics.median(t_det), statistics.median(t_fast)
+
+
+def _flags_cost(rounds=3):
+  """Median over alternating child processes of fast train step time, rljax flags on/off."""
+  ratios = []
+  for _ in range(rounds):
+    times = []
+    for xla_flags in ("", _NO_RLJAX_FLAGS):
+      env = dict(os.environ, XLA_FLAGS=xla_flags)
+      out = subprocess.run([sys.executable, __file__, "--child_fast_train"], env=env,
+                           capture_output=True, text=True, check=True).stdout
+      times.append(float(out.strip().splitlines()[-1]))
+    ratios.append(times[0] / times[1])
+  return statistics.median(ratios)
+
+
+def main(_):
+  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  params = _params(cfg)
+  if _CHILD.value:
+    fn = _train_step(cfg, Numerics("fast"))
+    jax.block_until_ready(fn(params))
+    print(1e3 * statistics.median(_time(fn, params, _CALLS.value) for _ in range(_PAIRS.value)))
+    return
+  rng = np.random.default_rng(0)
+  seqs = [rng.integers(1, cfg.vocab_size, size=n) for n in (9, 16, 17, 33, 40, 51, 64, 70)]
+  det_diff = _decode_vs_train(cfg, params, Numerics("deterministic"), seqs)
+  fast_diff = _decode_vs_train(cfg, params, Numerics("fast"), seqs)
+  train, t_train_det, t_train_fast = _ratio(_train_step, cfg, params, _PAIRS.value, _CALLS.value)
+  dec, t_dec_det, t_dec_fast = _ratio(_decode_step, cfg, params, _PAIRS.value, _CALLS.value)
+  print(json.dumps({
+      "workload": "tiny_moe bf16; train: fwd+bwd 8x128 packed; decode: 32 slots x 1 token, "
+                  "40 cached; exactness: 8 seqs (9..70 tokens) paged decode vs train forward",
+      "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+      "det_max_abs_logprob_diff": det_diff,
+      "fast_max_abs_logprob_diff": fast_diff,
+      "det_over_fast_train_step": round(train, 3),
+      "det_over_fast_decode_step": round(dec, 3),
+      "train_step_ms": {"det": round(1e3 * t_train_det, 2), "fast": round(1e3 * t_train_fast, 2)},
+      "decode_step_ms": {"det": round(1e3 * t_dec_det, 2), "fast": round(1e3 * t_dec_fast, 2)},
+      "rljax_xla_flags_cost_fast_train": round(_flags_cost(), 3),
+      "pairs": _PAIRS.value,
+  }))
+
+
+if __name__ == "__main__":
+  app.run(main)
