@@ -13,7 +13,12 @@ import sys as _sys
 #   between a training graph and a decode graph). AVX has no FMA instructions. The bf16
 #   dots (YNNPACK) are unaffected; measured cost on fast-mode code is within noise.
 # --xla_allow_excess_precision=false: keep every explicit bf16 rounding point.
-REQUIRED_XLA_FLAGS = ("--xla_cpu_max_isa=AVX", "--xla_allow_excess_precision=false")
+# --xla_cpu_experimental_ynn_fusion_type=individual_dot: XLA:CPU otherwise fuses a dot's
+#   elementwise producers/consumers into one YNNPACK fusion whose bf16 handling differs
+#   from the unfused ops (seen: the LM head fused with the final RMSNorm when only target
+#   log-probs are returned moved log-probs by 1e-2). Dots stay single library calls.
+REQUIRED_XLA_FLAGS = ("--xla_cpu_max_isa=AVX", "--xla_allow_excess_precision=false",
+                      "--xla_cpu_experimental_ynn_fusion_type=individual_dot")
 
 
 def _install_xla_flags() -> bool:

@@ -156,6 +156,23 @@ def test_training_graph_equals_forward_graph(tiny_cfg, tiny_params):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.05])
+def test_target_logprob_graph_equals_logits_graph(tiny_cfg, tiny_params, scale):
+  """Returning only target log-probs lets XLA fuse the LM head with its neighbours (a YNN
+  dot fusion); it must not change the bits (caught once: 1e-2 without the rljax flag).
+  Checked to fail under --xla_cpu_experimental_ynn_fusion_type=dot."""
+  params = jax.tree.map(lambda x: (x * scale).astype(x.dtype), tiny_params)
+  seqs = _sequences(3, [57, 18, 12], tiny_cfg.vocab_size, seed=7)
+  p = pack(seqs, 128, tiny_cfg.page_size)
+  targets = _targets(p.tokens)
+  kwargs = dict(cfg=tiny_cfg, numerics=DET, segment_ids=p.segment_ids)
+  lp = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, targets=targets, **kwargs).logprobs)(
+      params)
+  logits = forward(params, p.tokens, p.positions, **kwargs).logits  # eager: nothing fused
+  manual = jnp.take_along_axis(DET.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+  chex.assert_trees_all_equal(lp, manual)
+
+
 def test_fast_and_det_agree_closely(tiny_cfg, tiny_params):
   """Both modes compute the same function; bf16 rounding bounds the difference."""
   seqs = _sequences(4, [40, 22, 17, 30], tiny_cfg.vocab_size, seed=6)
