@@ -1,0 +1,84 @@
+"""Arithmetic: multi-digit addition and multiplication, single turn.
+
+Prompt "<bos>12+34=", expected completion "46<eos>". The answer is the text before the
+first EOS (surrounding spaces ignored): digits equal to the result is success (reward 1);
+wrong digits, anything that is not digits, invalid ids, or no EOS is model_failure
+(reward 0).
+
+Difficulty knobs: digits per operand (uniform in [min_digits, max_digits], then the
+operand uniform among numbers of that many digits; 1 digit includes 0) and the operation
+set. The split key sorts the operands (both ops commute), so "12+34" and "34+12" are
+always in the same split.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from rljax.envs.base import BaseEnv, SFTTarget, Task, Verdict
+
+OPS = ("+", "*")
+_MAX_ANSWER_DIGITS = 64
+_INT = re.compile(r"-?[0-9]+")
+
+
+def draw_operand(rng: np.random.Generator, min_digits: int, max_digits: int) -> int:
+  digits = int(rng.integers(min_digits, max_digits + 1))
+  low = 0 if digits == 1 else 10**(digits - 1)
+  return int(rng.integers(low, 10**digits))
+
+
+def canonical_key(operands: tuple[int, ...], ops: tuple[str, ...]) -> str:
+  """A flat expression's split key: operands sorted when it has one commutative op."""
+  if len(set(ops)) == 1 and ops[0] in OPS:
+    operands = tuple(sorted(operands))
+  out = str(operands[0])
+  for op, x in zip(ops, operands[1:]):
+    out += f"{op}{x}"
+  return out
+
+
+def check_int_answer(text: str | None, expected: int) -> Verdict:
+  """The verdict for an answer that should be the integer `expected`."""
+  if text is None:
+    return Verdict.model_failure("undecodable")
+  text = text.strip()
+  if len(text) > _MAX_ANSWER_DIGITS or not _INT.fullmatch(text):
+    return Verdict.model_failure("malformed", answer=text[:_MAX_ANSWER_DIGITS])
+  if int(text) != expected:
+    return Verdict.model_failure("wrong", answer=text)
+  return Verdict.success(answer=text)
+
+
+class ArithmeticEnv(BaseEnv):
+  name = "arithmetic"
+
+  def __init__(self, *, min_digits: int = 1, max_digits: int = 2,
+               ops: tuple[str, ...] = ("+",), **kwargs):
+    super().__init__(**kwargs)
+    if not 1 <= min_digits <= max_digits:
+      raise ValueError("need 1 <= min_digits <= max_digits")
+    if not ops or any(op not in OPS for op in ops):
+      raise ValueError(f"ops must be a non-empty subset of {OPS}")
+    self.min_digits, self.max_digits, self.ops = min_digits, max_digits, tuple(ops)
+
+  def _sample(self, rng: np.random.Generator) -> Task:
+    a = draw_operand(rng, self.min_digits, self.max_digits)
+    b = draw_operand(rng, self.min_digits, self.max_digits)
+    op = self.ops[int(rng.integers(len(self.ops)))]
+    result = a + b if op == "+" else a * b
+    text = f"{a}{op}{b}="
+    return Task(self.name, text, canonical_key((a, b), (op,)), self._prompt_ids(text),
+                str(result), {"operands": (a, b), "op": op, "result": result})
+
+  def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
+    self.latency.sleep()
+    answer = self._until_eos(completion_ids)
+    if answer is None:
+      return Verdict.model_failure("no eos")
+    return check_int_answer(self._decode(answer), task.data["result"])
+
+  def sft_target(self, task: Task) -> SFTTarget:
+    return self._target(task.answer)

@@ -1,0 +1,282 @@
+"""The env contract: tasks, verdicts, multi-turn steps, and the guards around them.
+
+A task gives prompt token ids. A single-turn episode is one completion; a multi-turn
+episode is one growing sequence of policy actions and env observations (the env's `step`
+answers each action with observation ids, or ends the episode). A verifier turns the
+completion into a `Verdict`: a reward and an `Outcome`:
+
+  success        the answer is right
+  model_failure  the answer is wrong, malformed, undecodable, or missing (no EOS)
+  infra_failure  the env raised or timed out (`safe_verify` / `safe_step`)
+
+Verifiers never raise on model output, whatever the ids; anything they do raise is an
+env bug and is reported as infra_failure, which never enters a gradient or a baseline.
+
+Splits: every task has a `split_key`, the canonical problem (operands sorted for a
+commutative op, say). A keyed hash of it decides the split, so one problem is in the same
+split whatever the seed, the difficulty settings, or the order of its operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import types
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from rljax.envs.latency import LatencyModel
+from rljax.envs.tokenizer import CharTokenizer, Tokenizer
+from rljax.rl.trajectory import Outcome
+
+Split = Literal["train", "held_out"]
+SPLITS: tuple[Split, ...] = ("train", "held_out")
+
+
+def split_of(split_key: str, held_out_fraction: float) -> Split:
+  """Deterministic across processes and machines (blake2b, not Python's salted hash)."""
+  digest = hashlib.blake2b(split_key.encode(), digest_size=8, person=b"rljax-split").digest()
+  return "held_out" if int.from_bytes(digest, "big") < held_out_fraction * 2.0**64 else "train"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+  env: str
+  task_id: str  # the problem as shown (the prompt text); unique within an env
+  split_key: str  # the canonical problem; decides the split
+  prompt_ids: np.ndarray  # [P] int32, read-only; starts with BOS when the tokenizer has one
+  answer: str  # reference answer text, as the policy should write it (without EOS)
+  data: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what the verifier needs
+
+  def __post_init__(self):
+    ids = np.array(self.prompt_ids, dtype=np.int32)
+    ids.flags.writeable = False
+    object.__setattr__(self, "prompt_ids", ids)
+    object.__setattr__(self, "data", types.MappingProxyType(dict(self.data)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  reward: float
+  outcome: Outcome
+  info: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def success(cls, **info) -> "Verdict":
+    return cls(1.0, Outcome.SUCCESS, info)
+
+  @classmethod
+  def model_failure(cls, reason: str, reward: float = 0.0, **info) -> "Verdict":
+    return cls(reward, Outcome.MODEL_FAILURE, {"reason": reason, **info})
+
+  @classmethod
+  def infra_failure(cls, reason: str, **info) -> "Verdict":
+    return cls(0.0, Outcome.INFRA_FAILURE, {"reason": reason, **info})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  observation_ids: np.ndarray | None  # appended to the sequence, loss_mask 0
+  done: bool
+  error: str | None = None  # set by safe_step when the env raised or timed out
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTTarget:
+  """A reference completion for the SFT warm start: train only where loss_mask is True."""
+  completion_ids: np.ndarray  # [C] int32, ends with EOS
+  loss_mask: np.ndarray  # [C] bool: True on policy tokens, False on observations
+
+
+@runtime_checkable
+class Env(Protocol):
+  name: str
+  tokenizer: Tokenizer
+  max_turns: int  # 1 for single-turn envs
+  stop_ids: tuple[int, ...]  # tokens that end a policy turn (EOS; also the tool-call close)
+
+  def prompts(self, split: Split, n: int, seed: int) -> list[Task]:
+    """n distinct tasks of the split; the same list for the same arguments."""
+
+  def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
+    ...
+
+  def sft_target(self, task: Task) -> SFTTarget:
+    ...
+
+
+@runtime_checkable
+class MultiTurnEnv(Env, Protocol):
+
+  def step(self, task: Task, history_ids: np.ndarray, action_ids: np.ndarray) -> StepResult:
+    """history_ids: the completion before this action (actions and observations so far)."""
+
+
+class BaseEnv:
+  """Shared machinery: tokenizer, latency injection, split-aware task generation."""
+
+  name = "base"
+  max_turns = 1
+
+  def __init__(self, *, tokenizer: Tokenizer | None = None,
+               latency: LatencyModel | None = None, held_out_fraction: float = 0.1):
+    if not 0.0 <= held_out_fraction <= 1.0:
+      raise ValueError("held_out_fraction must be in [0, 1]")
+    self.tokenizer = tokenizer if tokenizer is not None else CharTokenizer()
+    self.latency = latency if latency is not None else LatencyModel()
+    self.held_out_fraction = held_out_fraction
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.tokenizer.eos_id,)
+
+  def _sample(self, rng: np.random.Generator) -> Task:
+    """One random task of either split."""
+    raise NotImplementedError
+
+  def prompts(self, split: Split, n: int, seed: int) -> list[Task]:
+    """Draws tasks from `np.random.default_rng(seed)` and keeps the first n distinct ones
+    of `split`; a prefix of the list for a larger n. Raises if the problem space is too
+    small to hold n of them."""
+    if split not in SPLITS:
+      raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    rng = np.random.default_rng(seed)
+    tasks: dict[str, Task] = {}
+    for _ in range(100 * n + 1000):
+      if len(tasks) == n:
+        break
+      task = self._sample(rng)
+      if task.task_id not in tasks and split_of(task.split_key, self.held_out_fraction) == split:
+        tasks[task.task_id] = task
+    if len(tasks) < n:
+      raise ValueError(f"{self.name}: found only {len(tasks)} distinct {split} tasks of "
+                       f"{n}; widen the difficulty settings")
+    return list(tasks.values())
+
+  def _prompt_ids(self, text: str) -> np.ndarray:
+    ids = self.tokenizer.encode(text)
+    if self.tokenizer.bos_id is not None:
+      ids = np.concatenate([[self.tokenizer.bos_id], ids])
+    return ids.astype(np.int32)
+
+  def _decode(self, ids: np.ndarray) -> str | None:
+    """Model ids as text, or None when they are not valid tokens (a model failure)."""
+    try:
+      return self.tokenizer.decode(ids)
+    except ValueError:
+      return None
+
+  def _until_eos(self, completion_ids: np.ndarray) -> np.ndarray | None:
+    ids = np.asarray(completion_ids).reshape(-1)
+    eos = np.flatnonzero(ids == self.tokenizer.eos_id)
+    return ids[:eos[0]] if len(eos) else None
+
+  def _target(self, text: str) -> SFTTarget:
+    ids = np.concatenate([self.tokenizer.encode(text), [self.tokenizer.eos_id]]).astype(np.int32)
+    return SFTTarget(ids, np.ones(len(ids), dtype=bool))
+
+
+# ---------------------------------------------------------------------------- the guards
+
+
+class _Timeout(Exception):
+  pass
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+  """Runs fn in a daemon thread; raises _Timeout if it has not returned by the deadline.
+
+  A thread cannot be killed: a verifier that never returns leaks one daemon thread (it
+  does not block the caller or interpreter exit). Envs that run untrusted code belong in
+  a subprocess sandbox; the verifiers here only parse text.
+  """
+  box: dict[str, Any] = {}
+
+  def target():
+    try:
+      box["value"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      box["error"] = e
+
+  thread = threading.Thread(target=target, daemon=True, name="rljax-env-call")
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise _Timeout(f"no answer within {timeout_s}s")
+  if "error" in box:
+    raise box["error"]
+  return box["value"]
+
+
+def safe_verify(env: Env, task: Task, completion_ids: np.ndarray, *,
+                timeout_s: float = 10.0) -> Verdict:
+  """env.verify, but an env that raises, hangs past timeout_s, or returns something that
+  is not a Verdict with a finite reward yields infra_failure instead."""
+  try:
+    verdict = call_with_timeout(lambda: env.verify(task, completion_ids), timeout_s)
+  except _Timeout as e:
+    return Verdict.infra_failure("timeout", error=str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    return Verdict.infra_failure("exception", error=f"{type(e).__name__}: {e}")
+  if not isinstance(verdict, Verdict) or not np.isfinite(verdict.reward):
+    return Verdict.infra_failure("bad verdict", error=repr(verdict))
+  return verdict
+
+
+def safe_step(env: MultiTurnEnv, task: Task, history_ids: np.ndarray, action_ids: np.ndarray,
+              *, timeout_s: float = 10.0) -> StepResult:
+  """env.step, but an env that raises or hangs ends the episode with `error` set (the
+  caller labels the episode infra_failure)."""
+  try:
+    result = call_with_timeout(lambda: env.step(task, history_ids, action_ids), timeout_s)
+  except _Timeout as e:
+    return StepResult(None, True, error=f"timeout: {e}")
+  except Exception as e:  # pylint: disable=broad-except
+    return StepResult(None, True, error=f"exception: {type(e).__name__}: {e}")
+  if not isinstance(result, StepResult):
+    return StepResult(None, True, error=f"bad step result: {result!r}")
+  return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+  completion_ids: np.ndarray  # [C] int32: actions and observations, in order
+  loss_mask: np.ndarray  # [C] bool: True on action tokens
+  verdict: Verdict
+  turns: int
+
+
+def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]], *,
+            timeout_s: float = 10.0) -> Episode:
+  """Reference episode loop (one sequence that only grows). policy(ids so far, prompt
+  included) returns the next action's ids, ending in one of env.stop_ids or truncated.
+  The batched engine runs the same protocol; this is its executable specification."""
+  parts: list[np.ndarray] = []
+  mask: list[np.ndarray] = []
+  history = np.zeros(0, np.int32)
+  turns = 0
+  error = None
+  for turns in range(1, env.max_turns + 1):
+    action = np.asarray(policy(np.concatenate([task.prompt_ids, history])), np.int32)
+    parts.append(action)
+    mask.append(np.ones(len(action), bool))
+    if env.max_turns == 1 or not isinstance(env, MultiTurnEnv):
+      history = np.concatenate(parts)
+      break
+    result = safe_step(env, task, history, action, timeout_s=timeout_s)
+    if result.observation_ids is not None:
+      parts.append(np.asarray(result.observation_ids, np.int32))
+      mask.append(np.zeros(len(result.observation_ids), bool))
+    history = np.concatenate(parts)
+    if result.error is not None:
+      error = result.error
+      break
+    if result.done:
+      break
+  if error is not None:
+    verdict = Verdict.infra_failure("step failed", error=error)
+  else:
+    verdict = safe_verify(env, task, history, timeout_s=timeout_s)
+  return Episode(history.astype(np.int32), np.concatenate(mask), verdict, turns)
