@@ -1,0 +1,1 @@
+"""RL: trajectory schema, advantages, losses, learner."""

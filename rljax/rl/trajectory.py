@@ -1,0 +1,62 @@
+"""Trajectory: what crosses every boundary (engine -> trainer, host -> storage). Token ids
+only, never strings (token in, token out)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+class Outcome(str, enum.Enum):
+  SUCCESS = "success"
+  MODEL_FAILURE = "model_failure"  # the policy's fault: wrong or malformed answer
+  INFRA_FAILURE = "infra_failure"  # env raised or timed out: never in a gradient or baseline
+  UNKNOWN = "unknown"
+
+
+class FinishReason(str, enum.Enum):
+  EOS = "eos"
+  STOP = "stop"  # a stop token other than EOS
+  LENGTH = "length"  # max new tokens, or the page budget of the sequence
+  ABORTED = "aborted"
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One sample. Positions 0..P-1 are the prompt, P..P+C-1 the completion.
+
+  For multi-turn episodes the completion holds every turn's actions and observations in
+  order (the sequence only ever grows); observations have loss_mask 0.
+  """
+
+  prompt_ids: np.ndarray  # [P] int32
+  completion_ids: np.ndarray  # [C] int32
+  loss_mask: np.ndarray  # [C] bool: True on tokens the policy produced
+  behaviour_logprobs: np.ndarray  # [C] f32: log-prob under the sampling distribution; 0 off-mask
+  versions: np.ndarray  # [C] int32: policy version that produced each token; -1 off-mask
+  expert_ids: np.ndarray | None  # [P + C, num_moe_layers, k] int32 routing of each input token
+  finish_reason: FinishReason
+  request_id: int = -1
+  group_id: int = -1
+  sample_index: int = 0
+  reward: float = float("nan")
+  outcome: Outcome = Outcome.UNKNOWN
+
+  def __post_init__(self):
+    c = len(self.completion_ids)
+    for name in ("loss_mask", "behaviour_logprobs", "versions"):
+      if len(getattr(self, name)) != c:
+        raise ValueError(f"{name} has length {len(getattr(self, name))}, completion has {c}")
+    if self.expert_ids is not None and len(self.expert_ids) != len(self.prompt_ids) + c:
+      raise ValueError("expert_ids must have one row per prompt and completion token")
+
+  @property
+  def tokens(self) -> np.ndarray:
+    return np.concatenate([self.prompt_ids, self.completion_ids]).astype(np.int32)
+
+  @property
+  def oldest_version(self) -> int:
+    v = self.versions[self.loss_mask]
+    return int(v.min()) if len(v) else -1
