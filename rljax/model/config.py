@@ -33,6 +33,9 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
   page_size: int = 16  # the KV block of attention: keys are reduced in blocks of this size
+  # one-token decode steps over paged KV: "auto" = the Pallas kernel on GPU in fast mode,
+  # the jnp reference otherwise; "reference"; "pallas"; "pallas_interpret" (CPU tests)
+  decode_attention: str = "auto"
   dtype: str = "bfloat16"  # activations and matmul operands
   param_dtype: str = "bfloat16"
   remat: bool = False
@@ -44,6 +47,8 @@ class ModelConfig:
       raise ValueError("need 0 < num_experts_per_tok <= num_experts")
     if any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
       raise ValueError(f"mlp_only_layers {self.mlp_only_layers} out of range")
+    if self.decode_attention not in ("auto", "reference", "pallas", "pallas_interpret"):
+      raise ValueError(f"unknown decode_attention {self.decode_attention!r}")
     if self.dense_layers() and self.intermediate_size <= 0:
       raise ValueError("dense layers need intermediate_size > 0")
 

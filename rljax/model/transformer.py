@@ -93,10 +93,26 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     q_index, segs, kv_segs = ctx["positions"], None, None
     new_pools = (k_pool, v_pool)
 
-  out = attention.attend(q, keys, values, q_index, page_size=cfg.page_size, numerics=numerics,
-                         scale=hd ** -0.5, q_segments=segs, kv_segments=kv_segs)
+  if layer_kv is not None and t == 1 and _use_decode_kernel(cfg, numerics):
+    from pallas_kernels import paged_attention as kernel  # pylint: disable=g-import-not-at-top
+    lengths = jnp.maximum(ctx["positions"][:, 0] + 1, 0)
+    out = kernel.paged_attention(q[:, 0], new_pools[0], new_pools[1], layer_kv[2], lengths,
+                                 scale=hd ** -0.5,
+                                 interpret=cfg.decode_attention == "pallas_interpret")[:, None]
+  else:
+    out = attention.attend(q, keys, values, q_index, page_size=cfg.page_size,
+                           numerics=numerics, scale=hd ** -0.5, q_segments=segs,
+                           kv_segments=kv_segs)
   out = numerics.matmul(out.reshape(b, t, h * hd), _weight(sharding, p["o"], ("heads", "embed")))
   return out.astype(dt), new_pools
+
+
+def _use_decode_kernel(cfg: ModelConfig, numerics: Numerics) -> bool:
+  """The Pallas paged-attention kernel for decode steps. Deterministic mode keeps the
+  reference: the kernel's exp and reductions are not the training forward's."""
+  if cfg.decode_attention == "auto":
+    return jax.default_backend() == "gpu" and not numerics.deterministic
+  return cfg.decode_attention in ("pallas", "pallas_interpret")
 
 
 def _mlp_block(p, x, ctx):
@@ -133,6 +149,7 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
             cfg: ModelConfig, numerics: Numerics = FAST,
             segment_ids: jax.Array | None = None, kv: attention.PagedKV | None = None,
             routing: jax.Array | None = None, targets: jax.Array | None = None,
+            temperature: float = 1.0,
             sharding: sharding_lib.Sharding | None = None) -> ForwardOutput:
   """The model, for every caller.
 
@@ -144,7 +161,8 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   pages and the updated cache is returned.
 
   routing: [B, T, num_moe_layers, k] expert ids to replay instead of the router's top-k.
-  targets: [B, T] token ids; when given, returns their log-probs instead of logits.
+  targets: [B, T] token ids; when given, returns their log-probs under logits / temperature
+  (the engine's sampling temperature) instead of logits.
   """
   b, t = tokens.shape
   dt = cfg.compute_dtype
@@ -177,7 +195,8 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   logits = numerics.matmul(x, _weight(sharding, head, ("embed", "vocab")))
   logprobs = None
   if targets is not None:
-    logprobs = jnp.take_along_axis(numerics.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    logp = numerics.log_softmax(logits / temperature)
+    logprobs = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     logits = None
   new_kv = None if kv is None else attention.PagedKV(jnp.stack(pools_k), jnp.stack(pools_v),
                                                       kv.page_table)

@@ -1,0 +1,1 @@
+"""Decode engine: paged KV cache, continuous batching, group prefix sharing."""

@@ -1,0 +1,437 @@
+"""DecodeEngine: continuous batching over a paged KV cache, calling the policy's `forward`.
+
+One jitted decode step serves a fixed number of slots (static shapes: requests coming and
+going never recompile it). A request `(prompt, n)` is prefilled once; its n samples share
+the prompt's pages by reference and copy a shared page only when they first write into
+it (copy on write), so a group pays one prefill and at most one page copy per sample.
+Pages are allocated as sequences grow, so no sequence holds more than one partly empty
+page. When the pool runs out, the most recently admitted sequence is preempted: its pages
+are released and its tokens re-prefilled when it is admitted again (its records are kept).
+
+Multi-turn episodes: a request with `keep_pages=True` parks its sequence when the turn
+ends; `extend()` appends observation tokens and queues it again, and only the tokens not
+yet in the cache are prefilled (sequence extension).
+
+In-flight weight updates (`update_weights`) happen between steps. Policy "keep" (the
+default, as in AReaL/PipelineRL) lets running sequences continue on their existing KV and
+stamps each new token with the version that sampled it; "recompute" re-prefills every
+running sequence's cached tokens under the new weights first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding as sharding_lib
+from rljax.engine import sampling
+from rljax.engine.pages import OutOfPages, PagePool, pages_for, table_row
+from rljax.model import ModelConfig, PagedKV, forward
+from rljax.numerics import FAST, Numerics
+from rljax.rl.trajectory import FinishReason, Trajectory
+
+WeightUpdatePolicy = Literal["keep", "recompute"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 1.0  # 0 = greedy
+  top_k: int = 0  # 0 = off
+  top_p: float = 1.0  # 1 = off
+  max_new_tokens: int = 64
+  stop_tokens: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  request_id: int
+  prompt_ids: np.ndarray
+  n: int = 1  # samples sharing this prompt (a GRPO group)
+  sampling: SamplingParams = SamplingParams()
+  seed: int = 0
+  group_id: int = -1
+  keep_pages: bool = False  # park the sequence at the end of the turn (multi-turn)
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+  request: Request
+  sample_index: int
+  tokens: list[int]
+  prompt_len: int
+  cached: int = 0  # positions whose K/V are in the pages
+  pages: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[bool] = dataclasses.field(default_factory=list)
+  routing: list[np.ndarray] = dataclasses.field(default_factory=list)  # one row per fed token
+  turn_tokens: int = 0  # tokens generated in the current turn
+  turn_budget: int = 0
+  admitted_at: int = 0
+
+  @property
+  def key(self) -> tuple[int, int]:
+    return self.request.request_id, self.sample_index
+
+
+class DecodeEngine:
+  """Continuous-batching sampler over paged KV. Not thread-safe; drive it from one loop."""
+
+  def __init__(self, cfg: ModelConfig, params: Any, *, numerics: Numerics = FAST,
+               num_slots: int = 32, max_seq_len: int = 256, num_pages: int | None = None,
+               eos_id: int | None = None, version: int = 0,
+               weight_update: WeightUpdatePolicy = "keep",
+               sharding: sharding_lib.Sharding | None = None):
+    if weight_update not in ("keep", "recompute"):
+      raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
+    if max_seq_len > cfg.max_position_embeddings:
+      raise ValueError("max_seq_len exceeds the model's max_position_embeddings")
+    self.cfg, self.params, self.numerics = cfg, params, numerics
+    self.num_slots, self.max_seq_len, self.eos_id = num_slots, max_seq_len, eos_id
+    self.version, self.weight_update, self.sharding = version, weight_update, sharding
+    self.page_size = cfg.page_size
+    self.max_blocks = pages_for(max_seq_len, self.page_size)
+    num_pages = num_pages or 1 + num_slots * self.max_blocks
+    self.pool = PagePool(num_pages)
+    shape = (cfg.num_hidden_layers, num_pages, self.page_size, cfg.num_key_value_heads,
+             cfg.head_dim)
+    # the page pools (k, v), donated to every jitted call; page tables travel per call
+    self.pools = (jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
+    self.n_moe = len(cfg.moe_layers())
+    self.slots: list[_Seq | None] = [None] * num_slots
+    self.waiting: collections.deque[Request | _Seq] = collections.deque()
+    self.ready: collections.deque[_Seq] = collections.deque()
+    self.parked: dict[tuple[int, int], _Seq] = {}
+    self.trace_counts: collections.Counter[str] = collections.Counter()
+    self.stats = collections.Counter()
+    self.max_waste_pages = 0.0
+    self._clock = itertools.count()
+    self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+    self._sample = jax.jit(self._sample_fn)
+    self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+
+  # ---- jitted bodies (trace counts guard against recompiles) ---------------------------
+
+  def _decode_fn(self, params, pools, tokens, positions, table, key_ids, temperature, top_k,
+                 top_p):
+    self.trace_counts["decode"] += 1
+    kv = PagedKV(*pools, table)
+    out = forward(params, tokens, positions, cfg=self.cfg, numerics=self.numerics, kv=kv,
+                  sharding=self.sharding)
+    keys = sampling.token_keys(*key_ids)
+    toks, logps = sampling.sample(out.logits[:, 0], keys, temperature, top_k, top_p,
+                                  self.numerics)
+    routing = out.routing[:, 0] if out.routing is not None else jnp.zeros((tokens.shape[0], 0, 0))
+    return toks, logps, routing, (out.kv.k, out.kv.v)
+
+  def _prefill_fn(self, params, pools, tokens, positions, table, last):
+    self.trace_counts[f"prefill_{tokens.shape[1]}"] += 1
+    kv = PagedKV(*pools, table)
+    out = forward(params, tokens, positions, cfg=self.cfg, numerics=self.numerics, kv=kv,
+                  sharding=self.sharding)
+    routing = out.routing[0] if out.routing is not None else jnp.zeros((tokens.shape[1], 0, 0))
+    return out.logits[0, last], routing, (out.kv.k, out.kv.v)
+
+  def _sample_fn(self, logits, key_ids, temperature, top_k, top_p):
+    self.trace_counts["sample"] += 1
+    return sampling.sample(logits, sampling.token_keys(*key_ids), temperature, top_k, top_p,
+                           self.numerics)
+
+  # ---- public API ----------------------------------------------------------------------
+
+  def submit(self, request: Request) -> None:
+    prompt = np.asarray(request.prompt_ids, np.int32)
+    if prompt.ndim != 1 or len(prompt) == 0:
+      raise ValueError("prompt_ids must be a non-empty 1-D sequence of token ids")
+    if len(prompt) >= self.max_seq_len:
+      raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_seq_len "
+                       f"{self.max_seq_len}")
+    if np.any(prompt < 0) or np.any(prompt >= self.cfg.vocab_size):
+      raise ValueError("prompt_ids out of the vocabulary")
+    if request.n < 1 or request.sampling.max_new_tokens < 1:
+      raise ValueError("need n >= 1 and max_new_tokens >= 1")
+    self.waiting.append(dataclasses.replace(request, prompt_ids=prompt))
+
+  def extend(self, request_id: int, sample_index: int, observation_ids, max_new_tokens: int):
+    """Continues a parked multi-turn sequence: observations in, then a new turn."""
+    seq = self.parked.pop((request_id, sample_index))
+    obs = [int(t) for t in observation_ids]
+    if len(seq.tokens) + len(obs) >= self.max_seq_len:
+      self.parked[seq.key] = seq
+      raise ValueError("the extended sequence would exceed max_seq_len")
+    seq.tokens += obs
+    seq.logprobs += [0.0] * len(obs)
+    seq.versions += [-1] * len(obs)
+    seq.loss_mask += [False] * len(obs)
+    seq.turn_tokens, seq.turn_budget = 0, max_new_tokens
+    self.waiting.append(seq)
+
+  def release(self, request_id: int, sample_index: int) -> None:
+    """Frees a parked sequence's pages (the episode is over)."""
+    self.pool.release(self.parked.pop((request_id, sample_index)).pages)
+
+  def update_weights(self, params: Any, version: int) -> None:
+    """New weights between decode steps; running sequences are never dropped."""
+    self.params, self.version = params, version
+    if self.weight_update == "recompute":
+      for seq in [s for s in self.slots if s is not None] + list(self.ready):
+        self._run_prefill(seq, 0, seq.cached)  # overwrite the cached K/V in place
+        self.stats["recompute_tokens"] += seq.cached
+
+  @property
+  def idle(self) -> bool:
+    return not (self.waiting or self.ready or any(s is not None for s in self.slots))
+
+  def step(self) -> list[Trajectory]:
+    """Admit what fits, then one decode step for every active slot; returns finished."""
+    finished: list[Trajectory] = []
+    self._admit(finished)
+    active = [i for i, s in enumerate(self.slots) if s is not None]
+    if active:
+      finished += self._decode_active(active)
+    return finished
+
+  def run(self) -> list[Trajectory]:
+    out = []
+    while not self.idle:
+      out += self.step()
+    return out
+
+  def generate(self, requests) -> list[Trajectory]:
+    for r in requests:
+      self.submit(r)
+    return self.run()
+
+  # ---- admission and prefill ------------------------------------------------------------
+
+  def _admit(self, finished: list[Trajectory]) -> None:
+    while self.waiting and None in self.slots:
+      work = self.waiting[0]
+      seq = work if isinstance(work, _Seq) else self._new_prototype(work)
+      need = pages_for(len(seq.tokens), self.page_size) - len(seq.pages) + 1
+      if need > self.pool.free_count:
+        if not isinstance(work, _Seq) and self.pool.used_count == 0:
+          raise OutOfPages("the page pool cannot hold a single prompt")
+        break
+      self.waiting.popleft()
+      logits = self._run_prefill(seq, seq.cached, len(seq.tokens))
+      n = 1 if isinstance(work, _Seq) else work.n
+      forks = [seq] + [self._fork(seq, i) for i in range(1, n)]
+      firsts = self._sample_first(forks, logits)
+      for s, (tok, lp) in zip(forks, firsts):
+        self._append(s, tok, lp)
+        done = self._finish_reason(s, tok)
+        if done is None:
+          self.ready.append(s)
+        else:
+          finished.append(self._retire(s, done))
+      self._fill_slots()
+    self._fill_slots()
+
+  def _new_prototype(self, req: Request) -> _Seq:
+    return _Seq(request=req, sample_index=0, tokens=[int(t) for t in req.prompt_ids],
+                prompt_len=len(req.prompt_ids), turn_budget=req.sampling.max_new_tokens)
+
+  def _fork(self, proto: _Seq, index: int) -> _Seq:
+    return _Seq(request=proto.request, sample_index=index, tokens=list(proto.tokens),
+                prompt_len=proto.prompt_len, cached=proto.cached,
+                pages=self.pool.share(proto.pages), logprobs=list(proto.logprobs),
+                versions=list(proto.versions), loss_mask=list(proto.loss_mask),
+                routing=list(proto.routing), turn_budget=proto.turn_budget)
+
+  def _fill_slots(self) -> None:
+    for i, s in enumerate(self.slots):
+      if s is None and self.ready:
+        seq = self.ready.popleft()
+        seq.admitted_at = next(self._clock)
+        self.slots[i] = seq
+
+  def _run_prefill(self, seq: _Seq, lo: int, hi: int):
+    """Feeds tokens[lo:hi] at positions lo..hi-1 into seq's pages; returns last logits."""
+    for block in range(lo // self.page_size, pages_for(hi, self.page_size)):
+      self._writable_block(seq, block)
+    n = hi - lo
+    bucket = self.page_size * (1 << max(0, (pages_for(n, self.page_size) - 1).bit_length()))
+    tokens = np.zeros((1, bucket), np.int32)
+    positions = np.full((1, bucket), -1, np.int32)
+    tokens[0, :n] = seq.tokens[lo:hi]
+    positions[0, :n] = np.arange(lo, hi)
+    table = table_row(seq.pages, self.max_blocks)[None]
+    logits, routing, self.pools = self._prefill(self.params, self.pools, tokens, positions, table,
+                                                n - 1)
+    routing = np.asarray(routing)[:n]
+    seq.routing[lo:hi] = list(routing)
+    seq.cached = max(seq.cached, hi)
+    self.stats["prefill_tokens"] += n
+    return logits
+
+  def _sample_first(self, seqs: list[_Seq], logits) -> list[tuple[int, float]]:
+    out = []
+    for chunk in range(0, len(seqs), self.num_slots):
+      group = seqs[chunk:chunk + self.num_slots]
+      arrays = self._sampling_arrays(group, self.num_slots)
+      toks, lps = self._sample(jnp.broadcast_to(logits, (self.num_slots, logits.shape[-1])),
+                               *arrays)
+      toks, lps = np.asarray(toks), np.asarray(lps)
+      out += [(int(toks[i]), float(lps[i])) for i in range(len(group))]
+    return out
+
+  def _sampling_arrays(self, seqs: list[_Seq | None], width: int):
+    seed = np.zeros(width, np.int32)
+    rid = np.zeros(width, np.int32)
+    sidx = np.zeros(width, np.int32)
+    pos = np.zeros(width, np.int32)
+    temp = np.ones(width, np.float32)
+    top_k = np.zeros(width, np.int32)
+    top_p = np.ones(width, np.float32)
+    for i, s in enumerate(seqs):
+      if s is None:
+        continue
+      sp = s.request.sampling
+      seed[i], rid[i], sidx[i], pos[i] = s.request.seed, s.request.request_id, s.sample_index, len(
+          s.tokens)
+      temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+    return (seed, rid, sidx, pos), temp, top_k, top_p
+
+  # ---- decode ---------------------------------------------------------------------------
+
+  def _decode_active(self, active: list[int]) -> list[Trajectory]:
+    copies: list[tuple[int, int]] = []
+    for i in sorted(active, key=lambda i: self.slots[i].admitted_at):
+      seq = self.slots[i]
+      if seq is None:
+        continue  # preempted by an earlier slot of this step
+      block = (len(seq.tokens) - 1) // self.page_size
+      while True:
+        try:
+          copies += self._writable_block(seq, block, defer_copy=True)
+          break
+        except OutOfPages:  # releasing shared pages may free nothing: preempt until it does
+          self._preempt_youngest(exclude=seq)
+    if copies:
+      self._flush_copies(copies)
+    seqs = list(self.slots)
+    tokens = np.zeros((self.num_slots, 1), np.int32)
+    positions = np.full((self.num_slots, 1), -1, np.int32)
+    table = np.zeros((self.num_slots, self.max_blocks), np.int32)
+    for i, s in enumerate(seqs):
+      if s is not None:
+        tokens[i, 0], positions[i, 0] = s.tokens[-1], len(s.tokens) - 1
+        table[i] = table_row(s.pages, self.max_blocks)
+    key_ids, temp, top_k, top_p = self._sampling_arrays(seqs, self.num_slots)
+    toks, lps, routing, self.pools = self._decode(self.params, self.pools, tokens, positions,
+                                                  table, key_ids, temp, top_k, top_p)
+    toks, lps, routing = np.asarray(toks), np.asarray(lps), np.asarray(routing)
+    self.stats["decode_steps"] += 1
+    finished = []
+    for i, s in enumerate(seqs):
+      if s is None:
+        continue
+      s.routing.append(routing[i])
+      s.cached = len(s.tokens)
+      self._append(s, int(toks[i]), float(lps[i]))
+      waste = (len(s.pages) * self.page_size - s.cached) / self.page_size
+      self.max_waste_pages = max(self.max_waste_pages, waste)
+      done = self._finish_reason(s, int(toks[i]))
+      if done is not None:
+        self.slots[i] = None
+        finished.append(self._retire(s, done))
+    self._fill_slots()
+    return finished
+
+  def _writable_block(self, seq: _Seq, block: int, defer_copy: bool = False):
+    """Makes seq's page for `block` exist and be unshared; returns deferred copies."""
+    if block < len(seq.pages):
+      if not self.pool.is_shared(seq.pages[block]):
+        return []
+      (new,) = self.pool.alloc(1)
+      old, seq.pages[block] = seq.pages[block], new
+      self.pool.release([old])
+      self.stats["page_copies"] += 1
+      if defer_copy:
+        return [(old, new)]
+      self._flush_copies([(old, new)])
+      return []
+    if block != len(seq.pages):
+      raise AssertionError("pages must be allocated in order")
+    seq.pages += self.pool.alloc(1)
+    return []
+
+  def _flush_copies(self, copies):
+    width = self.num_slots
+    for i in range(0, len(copies), width):
+      chunk = copies[i:i + width]
+      src = np.zeros(width, np.int32)
+      dst = np.zeros(width, np.int32)
+      src[:len(chunk)] = [c[0] for c in chunk]
+      dst[:len(chunk)] = [c[1] for c in chunk]
+      self.pools = self._copy(self.pools, src, dst)
+
+  def _preempt_youngest(self, exclude: _Seq) -> None:
+    """Frees the pages of the sequence admitted last (waiting-for-slot ones first)."""
+    if self.ready:
+      seq = self.ready.pop()
+    else:
+      candidates = [(s.admitted_at, i) for i, s in enumerate(self.slots)
+                    if s is not None and s is not exclude]
+      if not candidates:
+        raise OutOfPages("a single sequence does not fit the page pool; raise num_pages")
+      _, i = max(candidates)
+      seq = self.slots[i]
+      self.slots[i] = None
+    self.pool.release(seq.pages)
+    seq.pages, seq.cached = [], 0
+    seq.routing = []
+    self.stats["preemptions"] += 1
+    self.waiting.appendleft(seq)
+
+  # ---- records --------------------------------------------------------------------------
+
+  def _append(self, seq: _Seq, token: int, logprob: float) -> None:
+    seq.tokens.append(token)
+    seq.logprobs.append(logprob)
+    seq.versions.append(self.version)
+    seq.loss_mask.append(True)
+    seq.turn_tokens += 1
+    self.stats["generated_tokens"] += 1
+
+  def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
+    if self.eos_id is not None and token == self.eos_id:
+      return FinishReason.EOS
+    if token in seq.request.sampling.stop_tokens:
+      return FinishReason.STOP
+    if seq.turn_tokens >= seq.turn_budget or len(seq.tokens) >= self.max_seq_len:
+      return FinishReason.LENGTH
+    return None
+
+  def _retire(self, seq: _Seq, reason: FinishReason) -> Trajectory:
+    if seq.request.keep_pages:
+      self.parked[seq.key] = seq
+    else:
+      self.pool.release(seq.pages)
+      seq.pages = []
+    p = seq.prompt_len
+    routing = np.zeros((len(seq.tokens), self.n_moe, self.cfg.num_experts_per_tok), np.int32)
+    if self.n_moe and seq.routing:
+      routing[:len(seq.routing)] = np.stack(seq.routing)
+    return Trajectory(
+        prompt_ids=np.asarray(seq.tokens[:p], np.int32),
+        completion_ids=np.asarray(seq.tokens[p:], np.int32),
+        loss_mask=np.asarray(seq.loss_mask, bool),
+        behaviour_logprobs=np.asarray(seq.logprobs, np.float32),
+        versions=np.asarray(seq.versions, np.int32),
+        expert_ids=routing if self.n_moe else None,
+        finish_reason=reason, request_id=seq.request.request_id,
+        group_id=seq.request.group_id, sample_index=seq.sample_index)
+
+
+def _copy_pages(pools, src: jax.Array, dst: jax.Array):
+  """pool[:, dst] = pool[:, src] for every layer and both pools ((0, 0) pairs are no-ops)."""
+  return tuple(p.at[:, dst].set(p[:, src]) for p in pools)

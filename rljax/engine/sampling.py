@@ -1,0 +1,60 @@
+"""Token sampling inside the jitted decode step.
+
+Per-slot parameters are arrays, so changing them never recompiles. The PRNG key of a
+token is derived from (seed, request id, sample index, position) only, so a request's
+tokens do not depend on its batch slot or its companions.
+
+The recorded behaviour log-prob is that of the sampled token under the distribution it
+was actually drawn from: logits / temperature, truncated by top-k and top-p and
+renormalised. With temperature 1 and no truncation that is `log_softmax(logits)[token]`
+computed by the same `Numerics` as the trainer's forward, so the two are the same bits in
+deterministic mode. Greedy slots (temperature 0) record the temperature-1 log-prob.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.numerics import Numerics
+
+NEG_INF = -jnp.inf
+
+
+def token_keys(seed: jax.Array, request_id: jax.Array, sample_index: jax.Array,
+               position: jax.Array) -> jax.Array:
+  """[S] keys from [S] int arrays."""
+  def one(s, r, i, p):
+    k = jax.random.key(s)
+    for x in (r, i, p):
+      k = jax.random.fold_in(k, x)
+    return k
+  return jax.vmap(one)(seed, request_id, sample_index, position)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array, numerics: Numerics) -> tuple[jax.Array, jax.Array]:
+  """logits [S, V] f32 -> (tokens [S] int32, behaviour log-probs [S] f32).
+
+  temperature [S] (0 = greedy), top_k [S] (0 = off), top_p [S] (1 = off).
+  """
+  v = logits.shape[-1]
+  greedy = temperature <= 0
+  t = jnp.where(greedy, 1.0, temperature)[:, None]
+  logp = numerics.log_softmax(logits / t)  # the policy at this temperature
+  order = jnp.argsort(-logp, axis=-1, stable=True)
+  sorted_logp = jnp.take_along_axis(logp, order, axis=-1)
+  rank = jnp.arange(v)[None, :]
+  keep_sorted = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+  # top-p: keep the smallest prefix whose mass reaches top_p (the first token always)
+  mass_before = jnp.cumsum(numerics.exp(sorted_logp), axis=-1) - numerics.exp(sorted_logp)
+  keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0)
+  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+  truncated = jnp.where(keep, logp, NEG_INF)
+  drawn = jax.vmap(jax.random.categorical)(keys, truncated)
+  tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), drawn).astype(jnp.int32)
+  chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  full = jnp.all(keep, axis=-1) | greedy
+  kept_mass = numerics.sum(jnp.where(keep, numerics.exp(logp), 0.0))
+  behaviour = jnp.where(full, chosen, chosen - numerics.log(kept_mass))
+  return tokens, behaviour

@@ -1,0 +1,219 @@
+"""Decode engine: fidelity to the training forward, batching, sharing, sampling, records."""
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.model import forward
+from rljax.model.packing import pack, unpack
+from rljax.numerics import Numerics
+from rljax.rl.trajectory import FinishReason
+
+DET = Numerics("deterministic")
+EOS = 2
+
+
+def _requests(cfg, count, n=1, seed=0, max_new=24, **sampling):
+  rng = np.random.default_rng(seed)
+  return [Request(request_id=100 + i, prompt_ids=rng.integers(3, cfg.vocab_size,
+                                                              size=int(rng.integers(3, 40))),
+                  n=n, seed=11, sampling=SamplingParams(max_new_tokens=max_new, **sampling))
+          for i in range(count)]
+
+
+def _trainer_view(params, cfg, trajs, numerics=DET, routing=None, temperature=1.0):
+  """Trainer-side log-probs of each trajectory's completion tokens and its routing."""
+  p = pack([t.tokens for t in trajs], 128, cfg.page_size)
+  targets = np.concatenate([p.tokens[:, 1:], np.zeros_like(p.tokens[:, :1])], axis=1)
+  out = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=cfg, numerics=numerics,
+                                    segment_ids=p.segment_ids, targets=targets,
+                                    temperature=temperature))(params)
+  lps = unpack(np.asarray(out.logprobs), p)
+  routes = unpack(np.asarray(out.routing), p)
+  views = []
+  for t, lp, r in zip(trajs, lps, routes):
+    n_p, n_c = len(t.prompt_ids), len(t.completion_ids)
+    views.append((lp[n_p - 1:n_p - 1 + n_c], r))
+  return views
+
+
+def _by_key(trajs):
+  return {(t.request_id, t.sample_index): t for t in trajs}
+
+
+@pytest.fixture(scope="module")
+def det_runs(tiny_cfg, tiny_params):
+  """The same 6 requests (groups of 4) through engines with different slot counts and
+  submission orders: different batch compositions, slots and companions."""
+  reqs = _requests(tiny_cfg, 6, n=4)
+  runs = {}
+  for name, slots, order in (("slots8", 8, reqs), ("slots3_reversed", 3, reqs[::-1]),
+                             ("slots5_shuffled", 5, [reqs[i] for i in (3, 0, 5, 1, 4, 2)])):
+    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, max_seq_len=128,
+                       eos_id=EOS)
+    runs[name] = (eng, eng.generate(order))
+  alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=128,
+                       eos_id=EOS)
+  runs["alone"] = (alone, alone.generate([reqs[2]]))
+  return runs
+
+
+def test_engine_logprobs_are_bitwise_the_trainers(tiny_cfg, tiny_params, det_runs):
+  for name, (_, trajs) in det_runs.items():
+    for t, (train_lp, train_routing) in zip(trajs, _trainer_view(tiny_params, tiny_cfg, trajs)):
+      chex.assert_trees_all_equal(t.behaviour_logprobs, train_lp, custom_message=name)
+      # routing of every token fed to the model (the last sampled token never is)
+      chex.assert_trees_all_equal(t.expert_ids[:-1], train_routing[:-1], custom_message=name)
+
+
+def test_tokens_do_not_depend_on_slot_or_companions(det_runs):
+  base = _by_key(det_runs["slots8"][1])
+  for name in ("slots3_reversed", "slots5_shuffled", "alone"):
+    for key, t in _by_key(det_runs[name][1]).items():
+      np.testing.assert_array_equal(t.completion_ids, base[key].completion_ids, err_msg=name)
+      chex.assert_trees_all_equal(t.behaviour_logprobs, base[key].behaviour_logprobs)
+
+
+def test_no_recompiles_and_pages_freed(det_runs):
+  for name, (eng, trajs) in det_runs.items():
+    assert eng.trace_counts["decode"] == 1, (name, eng.trace_counts)
+    assert eng.trace_counts["sample"] == 1
+    assert all(v == 1 for k, v in eng.trace_counts.items() if k.startswith("prefill_"))
+    assert eng.pool.used_count == 0 and eng.idle, name
+    assert eng.max_waste_pages < 1.0
+  assert len(det_runs["slots3_reversed"][1]) == 24  # 6 groups x 4 through 3 slots
+
+
+def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=128)
+  prompt = np.arange(3, 3 + 37) % tiny_cfg.vocab_size  # 2 full pages + 5 tokens
+  trajs = eng.generate([Request(1, prompt, n=8, sampling=SamplingParams(max_new_tokens=10))])
+  assert len(trajs) == 8 and eng.stats["prefill_tokens"] == 37
+  assert eng.stats["page_copies"] == 7  # the partial page, copied by all but its last holder
+  assert len({tuple(t.completion_ids) for t in trajs}) > 1  # different samples
+
+
+def test_stop_conditions(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  (t,) = eng.generate(_requests(tiny_cfg, 1, max_new=5))
+  assert t.finish_reason == FinishReason.LENGTH and len(t.completion_ids) == 5
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+  (g,) = eng.generate([Request(1, np.array([5, 6, 7]), sampling=greedy)])
+  stop = int(g.completion_ids[3])
+  (s,) = eng.generate([Request(1, np.array([5, 6, 7]), sampling=SamplingParams(
+      temperature=0.0, max_new_tokens=20, stop_tokens=(stop,)))])
+  assert s.finish_reason == FinishReason.STOP and s.completion_ids[-1] == stop
+  assert len(s.completion_ids) <= 4
+  eos_eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64,
+                         eos_id=stop)
+  (e,) = eos_eng.generate([Request(1, np.array([5, 6, 7]), sampling=greedy)])
+  assert e.finish_reason == FinishReason.EOS
+  np.testing.assert_array_equal(e.completion_ids, s.completion_ids)
+  (m,) = eng.generate([Request(1, np.arange(3, 60), sampling=SamplingParams(max_new_tokens=50))])
+  assert m.finish_reason == FinishReason.LENGTH and len(m.tokens) == 64  # max_seq_len
+
+
+def test_sampling_modes(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  prompt = np.array([9, 8, 7, 6])
+
+  def one(**kw):
+    return eng.generate([Request(3, prompt, sampling=SamplingParams(max_new_tokens=12, **kw))])[0]
+
+  greedy = one(temperature=0.0)
+  (lp, _), = _trainer_view(tiny_params, tiny_cfg, [greedy])
+  chex.assert_trees_all_equal(greedy.behaviour_logprobs, lp)  # greedy records the T=1 log-prob
+  logits = forward(tiny_params, greedy.tokens[None, :-1],
+                   np.arange(len(greedy.tokens) - 1)[None], cfg=tiny_cfg, numerics=DET).logits
+  np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, 3:]), -1), greedy.completion_ids)
+  np.testing.assert_array_equal(one(top_k=1).completion_ids, greedy.completion_ids)
+  np.testing.assert_array_equal(one(top_p=1e-6).completion_ids, greedy.completion_ids)
+  # a truncated distribution records the renormalised log-prob
+  t2 = one(top_k=2)
+  full = np.asarray(DET.log_softmax(forward(
+      tiny_params, t2.tokens[None, :-1], np.arange(len(t2.tokens) - 1)[None], cfg=tiny_cfg,
+      numerics=DET).logits))[0, 3:]
+  top2 = np.sort(full, axis=-1)[:, -2:]
+  want = full[np.arange(len(full)), t2.completion_ids] - np.log(np.exp(top2).sum(-1))
+  np.testing.assert_allclose(t2.behaviour_logprobs, want, atol=1e-5)
+  # temperature: behaviour log-probs are those of logits / T, as the trainer computes them
+  hot = one(temperature=0.7)
+  (lp_hot, _), = _trainer_view(tiny_params, tiny_cfg, [hot], temperature=0.7)
+  chex.assert_trees_all_equal(hot.behaviour_logprobs, lp_hot)
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
+  new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=128,
+                     weight_update=policy)
+  for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
+    eng.submit(r)
+  finished = []
+  for _ in range(6):
+    finished += eng.step()
+  running = sum(s is not None for s in eng.slots)
+  assert running == 4
+  eng.update_weights(new_params, version=1)
+  finished += eng.run()
+  assert len(finished) == 4  # nothing dropped
+  for t in finished:
+    v = t.versions
+    assert v[0] == 0 and v[-1] == 1 and np.all(np.diff(v) >= 0)
+    after = v == 1
+    (lp_new, _), = _trainer_view(new_params, tiny_cfg, [t])
+    if policy == "recompute":  # KV recomputed: the new tokens are exactly the new policy's
+      chex.assert_trees_all_equal(t.behaviour_logprobs[after], lp_new[after])
+    else:  # stale KV from the old weights: close to, but not, the new policy
+      assert np.max(np.abs(t.behaviour_logprobs[after] - lp_new[after])) > 0
+  if policy == "recompute":
+    assert eng.stats["recompute_tokens"] > 0
+
+
+def test_multi_turn_extension_prefills_only_new_tokens(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=2, max_seq_len=128)
+  req = Request(7, np.array([4, 5, 6, 7, 8]), n=2, keep_pages=True,
+                sampling=SamplingParams(max_new_tokens=6))
+  first = eng.generate([req])
+  assert len(eng.parked) == 2
+  before = eng.stats["prefill_tokens"]
+  obs = np.array([30, 31, 32])
+  eng.extend(7, 0, obs, max_new_tokens=5)
+  (second,) = eng.run()
+  assert eng.stats["prefill_tokens"] - before == 1 + len(obs)  # last action token + observation
+  t0 = _by_key(first)[(7, 0)]
+  np.testing.assert_array_equal(second.tokens[:len(t0.tokens)], t0.tokens)
+  np.testing.assert_array_equal(second.completion_ids[len(t0.completion_ids):][:3], obs)
+  assert not second.loss_mask[len(t0.completion_ids):][:3].any()
+  (lp, _), = _trainer_view(tiny_params, tiny_cfg, [second])
+  mask = second.loss_mask
+  chex.assert_trees_all_equal(second.behaviour_logprobs[mask], lp[mask])
+  eng.release(7, 0)
+  eng.release(7, 1)
+  assert eng.pool.used_count == 0
+
+
+def test_preemption_under_page_pressure_changes_nothing(tiny_cfg, tiny_params, det_runs):
+  reqs = _requests(tiny_cfg, 6, n=4)
+  tight = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=128,
+                       num_pages=14, eos_id=EOS)
+  trajs = _by_key(tight.generate(reqs))
+  assert tight.stats["preemptions"] > 0
+  for key, t in _by_key(det_runs["slots8"][1]).items():
+    np.testing.assert_array_equal(trajs[key].completion_ids, t.completion_ids)
+    chex.assert_trees_all_equal(trajs[key].behaviour_logprobs, t.behaviour_logprobs)
+
+
+def test_bad_requests_are_rejected(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, num_slots=2, max_seq_len=32)
+  with pytest.raises(ValueError, match="non-empty"):
+    eng.submit(Request(1, np.array([], np.int32)))
+  with pytest.raises(ValueError, match="no room"):
+    eng.submit(Request(1, np.arange(40) % 100))
+  with pytest.raises(ValueError, match="vocabulary"):
+    eng.submit(Request(1, np.array([tiny_cfg.vocab_size])))
+  with pytest.raises(ValueError, match="weight_update"):
+    DecodeEngine(tiny_cfg, tiny_params, weight_update="sometimes")
+  assert eng.idle
