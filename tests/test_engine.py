@@ -217,3 +217,42 @@ def test_bad_requests_are_rejected(tiny_cfg, tiny_params):
   with pytest.raises(ValueError, match="weight_update"):
     DecodeEngine(tiny_cfg, tiny_params, weight_update="sometimes")
   assert eng.idle
+
+
+def _hf_initialised_tiny(tiny_cfg, tmp_path):
+  """The bench_decode weights: transformers' tiny Qwen3-MoE, N(0, 0.2) matrices, seed 0."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from rljax.model.hf_import import load_hf_checkpoint  # pylint: disable=g-import-not-at-top
+  c = tiny_cfg
+  hf_cfg = transformers.Qwen3MoeConfig(
+      vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+      head_dim=c.head_dim, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+      moe_intermediate_size=c.moe_intermediate_size, intermediate_size=c.intermediate_size,
+      mlp_only_layers=list(c.mlp_only_layers), norm_topk_prob=True,
+      max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False)
+  torch.manual_seed(0)
+  model = transformers.Qwen3MoeForCausalLM(hf_cfg).float().eval()
+  with torch.no_grad():
+    for prm in model.parameters():
+      if prm.ndim >= 2:
+        prm.normal_(0.0, 0.2)
+  model.save_pretrained(tmp_path)
+  return load_hf_checkpoint(str(tmp_path), dtype="bfloat16", page_size=c.page_size)
+
+
+def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):
+  """32 slots x 64 tokens on the bench_decode weights and prompts: the workload where
+  batched-dot attention once got a different XLA:CPU kernel in the decode graph (bf16 dot
+  upcast to f32) than in the training graph, drifting by 1e-2 from token 32 of one
+  sequence on. Checked to fail with that attention."""
+  cfg, params = _hf_initialised_tiny(tiny_cfg, tmp_path)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(3, cfg.vocab_size, size=(32, 16))
+  eng = DecodeEngine(cfg, params, numerics=DET, num_slots=32, max_seq_len=80)
+  trajs = eng.generate([Request(i, prompts[i], sampling=SamplingParams(
+      temperature=0.0, max_new_tokens=64)) for i in range(32)])
+  for t, (train_lp, _) in zip(trajs, _trainer_view(params, cfg, trajs)):
+    chex.assert_trees_all_equal(t.behaviour_logprobs, train_lp)

@@ -19,7 +19,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from rljax.numerics import Numerics, tree_sum, det_exp
+from rljax.numerics import Numerics, det_exp, tree_sum
 
 NEG = -1e30  # masked score; finite so that masked lanes never make NaN gradients
 
@@ -90,22 +90,28 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
     visible &= kv_segments[:, None, :] == q_segments[:, :, None]
   visible = jnp.repeat(visible, g, axis=1)[:, None]  # [B, 1, T*G, N]
 
-  s = numerics.batched_matmul("bhmd,bhnd->bhmn", qg, kt, row_axis=2) * scale
-  s = jnp.where(visible, s, NEG)
   if numerics.deterministic:
-    out = _online_softmax_blocks(s, visible, vt, page_size, numerics)
+    # No dot kernels here: which kernel XLA:CPU picks for a batched bf16 dot (bf16, or
+    # upcast to f32 when its operands come out of a fusion) differs between graphs, and
+    # the two round differently. bf16 x bf16 products are exact in f32, so a fixed tree
+    # of adds over head_dim gives the same scores in every graph.
+    prod = qg.astype(jnp.float32)[:, :, :, None, :] * kt.astype(jnp.float32)[:, :, None, :, :]
+    s = jnp.where(visible, tree_sum(prod) * scale, NEG)
+    out = _online_softmax_blocks(s, visible, vt, page_size)
   else:
+    s = jnp.where(visible, numerics.batched_matmul("bhmd,bhnd->bhmn", qg, kt, row_axis=2) * scale,
+                  NEG)
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     out = jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
   out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
   return out.astype(q.dtype)
 
 
-def _online_softmax_blocks(s, visible, vt, page_size, numerics):
+def _online_softmax_blocks(s, visible, vt, page_size):
   """Online softmax over key blocks in order, reductions in fixed order.
 
-  The dots (scores, and p @ v of every block) are computed at once; only the running
-  rescale, which is what fixes the order, walks the blocks.
+  Every block's p @ v (a fixed tree over its page_size keys) is computed at once; only
+  the running rescale, which is what fixes the order across blocks, walks the blocks.
   """
   b, hkv, m, n = s.shape
   nb = n // page_size
@@ -115,8 +121,11 @@ def _online_softmax_blocks(s, visible, vt, page_size, numerics):
   run_max = lax.cummax(block_max, axis=3)
   p = jnp.where(visible, det_exp(s - run_max[..., None]), 0.0)
   block_sum = tree_sum(p)  # [B, Hkv, M, NB]
-  vb = vt.reshape(b, hkv, nb, page_size, vt.shape[-1])
-  pv = numerics.batched_matmul("bhmjp,bhjpd->bhjmd", p.astype(vt.dtype), vb, row_axis=2)
+  vb = vt.reshape(b, hkv, nb, page_size, vt.shape[-1]).astype(jnp.float32)
+  # p rounded to v's dtype (as the fast path's p @ v sees it), so products are exact in f32
+  p_v = p.astype(vt.dtype).astype(jnp.float32)
+  prod = p_v[:, :, :, :, :, None] * vb[:, :, None]  # [B, Hkv, M, NB, P, D]
+  pv = jnp.moveaxis(tree_sum(jnp.moveaxis(prod, 4, -1)), 3, 2)  # [B, Hkv, NB, M, D]
   prev_max = jnp.concatenate([jnp.full_like(run_max[..., :1], NEG), run_max[..., :-1]], axis=-1)
   alpha = det_exp(prev_max - run_max)  # exactly 1 where a block changes nothing
 

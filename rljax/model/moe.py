@@ -68,10 +68,10 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   if numerics.deterministic:
     g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
     u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
-    hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f).transpose(1, 0, 2)
-    # batch axis leading: XLA:CPU has no bf16 x bf16 -> f32 dot for other layouts
-    y_all = numerics.batched_matmul("etf,efd->etd", hidden, down, row_axis=1).astype(x.dtype)
-    y = jnp.take_along_axis(y_all.transpose(1, 0, 2), jnp.clip(local, 0, e_local - 1)[..., None],
+    hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
+    # one plain 2-D dot per expert: a batched dot's kernel (and rounding) is XLA's choice
+    y_all = jnp.stack([numerics.matmul(hidden[:, e], down[e]) for e in range(e_local)], axis=1)
+    y = jnp.take_along_axis(y_all.astype(x.dtype), jnp.clip(local, 0, e_local - 1)[..., None],
                             axis=1)
   else:
     k = ids.shape[1]
