@@ -14,6 +14,7 @@ decode step's logits the same bits as the training forward's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax import lax
@@ -91,20 +92,48 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
   visible = jnp.repeat(visible, g, axis=1)[:, None]  # [B, 1, T*G, N]
 
   if numerics.deterministic:
-    # No dot kernels here: which kernel XLA:CPU picks for a batched bf16 dot (bf16, or
-    # upcast to f32 when its operands come out of a fusion) differs between graphs, and
-    # the two round differently. bf16 x bf16 products are exact in f32, so a fixed tree
-    # of adds over head_dim gives the same scores in every graph.
-    prod = qg.astype(jnp.float32)[:, :, :, None, :] * kt.astype(jnp.float32)[:, :, None, :, :]
-    s = jnp.where(visible, tree_sum(prod) * scale, NEG)
-    out = _online_softmax_blocks(s, visible, vt, page_size)
+    out = _det_attention(qg, kt, vt, visible, scale, page_size)
   else:
-    s = jnp.where(visible, numerics.batched_matmul("bhmd,bhnd->bhmn", qg, kt, row_axis=2) * scale,
-                  NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
+    out = _dense_attention(qg, kt, vt, visible, scale, numerics)
   out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
   return out.astype(q.dtype)
+
+
+def _dense_attention(qg, kt, vt, visible, scale, numerics):
+  """Masked softmax attention with dots: [B, Hkv, M, D] f32."""
+  s = numerics.batched_matmul("bhmd,bhnd->bhmn", qg, kt, row_axis=2) * scale
+  p = jax.nn.softmax(jnp.where(visible, s, NEG), axis=-1).astype(vt.dtype)
+  return jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _det_attention(qg, kt, vt, visible, scale, page_size):
+  """Deterministic attention: [B, Hkv, M, D] f32, the same bits in every graph.
+
+  No dot kernels: which kernel XLA:CPU picks for a batched bf16 dot (bf16, or upcast to
+  f32 when its operands come out of a fusion) differs between graphs, and the two round
+  differently. bf16 x bf16 products are exact in f32, so a fixed tree of adds over
+  head_dim gives the same scores everywhere. Only the forward must be invariant: the
+  backward is the VJP of the dot-based `_dense_attention`, the same function.
+  """
+  prod = qg.astype(jnp.float32)[:, :, :, None, :] * kt.astype(jnp.float32)[:, :, None, :, :]
+  s = jnp.where(visible, tree_sum(prod) * scale, NEG)
+  return _online_softmax_blocks(s, visible, vt, page_size)
+
+
+def _det_attention_fwd(qg, kt, vt, visible, scale, page_size):
+  return _det_attention(qg, kt, vt, visible, scale, page_size), (qg, kt, vt, visible)
+
+
+def _det_attention_bwd(scale, page_size, residuals, g):
+  del page_size
+  qg, kt, vt, visible = residuals
+  fast = Numerics("fast")
+  _, vjp = jax.vjp(lambda q, k, v: _dense_attention(q, k, v, visible, scale, fast), qg, kt, vt)
+  return (*vjp(g), None)
+
+
+_det_attention.defvjp(_det_attention_fwd, _det_attention_bwd)
 
 
 def _online_softmax_blocks(s, visible, vt, page_size):
