@@ -74,11 +74,10 @@ class ArithmeticEnv(BaseEnv):
                 str(result), {"operands": (a, b), "op": op, "result": result})
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
-    self.latency.sleep()
-    answer = self._until_eos(completion_ids)
-    if answer is None:
-      return Verdict.model_failure("no eos")
-    return check_int_answer(self._decode(answer), task.data["result"])
+    text = self._answer_text(completion_ids)
+    if isinstance(text, Verdict):
+      return text
+    return check_int_answer(text, task.data["result"])
 
   def sft_target(self, task: Task) -> SFTTarget:
     return self._target(task.answer)

@@ -173,6 +173,16 @@ class BaseEnv:
     eos = np.flatnonzero(ids == self.tokenizer.eos_id)
     return ids[:eos[0]] if len(eos) else None
 
+  def _answer_text(self, completion_ids: np.ndarray) -> str | Verdict:
+    """The completion's text before EOS after the injected latency, or the verdict of a
+    completion that has no EOS or undecodable ids."""
+    self.latency.sleep()
+    ids = self._until_eos(completion_ids)
+    if ids is None:
+      return Verdict.model_failure("no eos")
+    text = self._decode(ids)
+    return Verdict.model_failure("undecodable") if text is None else text
+
   def _target(self, text: str) -> SFTTarget:
     ids = np.concatenate([self.tokenizer.encode(text), [self.tokenizer.eos_id]]).astype(np.int32)
     return SFTTarget(ids, np.ones(len(ids), dtype=bool))

@@ -89,13 +89,9 @@ class CalculatorEnv(BaseEnv):
     return StepResult(self.observation(call), False)
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
-    self.latency.sleep()
-    ids = self._until_eos(completion_ids)
-    if ids is None:
-      return Verdict.model_failure("no eos")
-    text = self._decode(ids)
-    if text is None:
-      return Verdict.model_failure("undecodable")
+    text = self._answer_text(completion_ids)
+    if isinstance(text, Verdict):
+      return text
     verdict = check_int_answer(text.rsplit(OBS_CLOSE, 1)[-1], task.data["result"])
     verdict.info["tool_calls"] = text.count(CALL_OPEN)
     return verdict

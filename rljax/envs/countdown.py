@@ -80,13 +80,9 @@ class CountdownEnv(BaseEnv):
                 {"numbers": tuple(shown), "target": target})
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
-    self.latency.sleep()
-    ids = self._until_eos(completion_ids)
-    if ids is None:
-      return Verdict.model_failure("no eos")
-    text = self._decode(ids)
-    if text is None:
-      return Verdict.model_failure("undecodable")
+    text = self._answer_text(completion_ids)
+    if isinstance(text, Verdict):
+      return text
     try:
       parsed = expr.parse(text)
     except expr.ExprError as e:
