@@ -23,11 +23,13 @@ log-probs that the trainer and the engine both compute.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 import rljax
 
@@ -137,18 +139,13 @@ class Numerics:
     return max(self.row_tile, -(-n // self.row_tile) * self.row_tile)
 
   def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] @ w[K, N] -> f32[..., N], operands in the dtype of `x`."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    w = w.astype(x.dtype)
-    if not self.deterministic:
-      return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    mp = self.pad_rows(m)
-    if mp != m:
-      x2 = jnp.pad(x2, ((0, mp - m), (0, 0)))
-    y = jnp.dot(x2, w, preferred_element_type=jnp.float32)
-    return y[:m].reshape(*lead, w.shape[-1])
+    """x[..., K] @ w[K, N] -> f32[..., N], operands in the dtype of `x`.
+
+    `w` may be an f32 master weight: it is cast at use, and its gradient is computed in
+    f32 from the f32 output cotangent (a bf16 cotangent would round every weight
+    gradient to 8 bits before the optimizer sees it).
+    """
+    return _matmul(x, w, self.pad_rows(int(np.prod(x.shape[:-1]))))
 
   def batched_matmul(self, spec: str, a: jax.Array, b: jax.Array, row_axis: int) -> jax.Array:
     """einsum(spec, a, b) -> f32, with a's `row_axis` padded like `matmul` rows."""
@@ -189,6 +186,34 @@ class Numerics:
       return jax.nn.log_softmax(x, axis=-1)
     shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return shifted - det_log(tree_sum(det_exp(shifted)))[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, padded_rows: int) -> jax.Array:
+  lead, k = x.shape[:-1], x.shape[-1]
+  x2 = x.reshape(-1, k)
+  m = x2.shape[0]
+  if padded_rows != m:  # deterministic mode: a fixed row tile (see the module docstring)
+    x2 = jnp.pad(x2, ((0, padded_rows - m), (0, 0)))
+  y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  return y[:m].reshape(*lead, w.shape[-1])
+
+
+def _matmul_fwd(x, w, padded_rows):
+  return _matmul(x, w, padded_rows), (x, w)
+
+
+def _matmul_bwd(padded_rows, residuals, g):
+  del padded_rows
+  x, w = residuals
+  g2 = g.reshape(-1, g.shape[-1]).astype(jnp.float32)
+  x2 = x.reshape(-1, x.shape[-1])
+  dx = jnp.dot(g2, w.astype(jnp.float32).T).astype(x.dtype).reshape(x.shape)
+  dw = jnp.dot(x2.astype(jnp.float32).T, g2).astype(w.dtype)
+  return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _output_axis(spec: str, lhs_axis: int) -> int:

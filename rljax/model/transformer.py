@@ -34,7 +34,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, numerics: Numerics) -> 
   xf = x.astype(jnp.float32)
   mean_sq = numerics.sum(xf * xf) * (1.0 / x.shape[-1])
   y = (xf * lax.rsqrt(mean_sq + eps)[..., None]).astype(x.dtype)
-  return y * scale.astype(x.dtype)
+  # HF multiplies in the model dtype; a bf16 x bf16 product is exact in f32, so doing it
+  # in f32 and rounding once gives the same bits, and an f32 gradient for the scale
+  return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,0 +1,147 @@
+"""The learner: a train state and one jitted `(state, batch) -> (state, metrics)` step.
+
+The state holds f32 master params, the optax state and the step. The forward runs on the
+params cast to the serving dtype (bf16), the same bits the engine samples with, so in
+deterministic mode the trainer's log-probs equal the behaviour log-probs exactly; the
+gradient flows back through the cast into the f32 masters. Microbatches are a `lax.scan`
+over the leading axis of the batch (one trace, fixed shapes). A step whose loss or
+gradients are not finite is skipped: params, optimizer state and step stay as they were,
+and `metrics["skipped"]` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+from rljax import sharding as sharding_lib
+from rljax.model import ModelConfig, abstract_params, forward, param_shardings
+from rljax.numerics import Numerics
+from rljax.rl.batch import TrainBatch
+from rljax.rl.losses import LossConfig, global_norm, policy_loss
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  params: Any  # f32 masters
+  opt_state: Any
+  step: jax.Array  # int32 applied updates
+
+
+def make_optimizer(learning_rate: float, *, weight_decay: float = 0.0, clip_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(clip_norm),
+                     optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
+  # a copy: the step donates the state, which must not delete the caller's arrays
+  params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
+  return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                    sharding: sharding_lib.Sharding) -> TrainState:
+  """NamedShardings of the whole state: optimizer moments follow their params."""
+  p_sh = param_shardings(cfg, sharding)
+  opt_abstract = jax.eval_shape(optimizer.init, abstract_params(cfg, jnp.float32))
+  replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt_abstract, p_sh,
+                                            transform_non_params=lambda _: replicated)
+  return TrainState(p_sh, opt_sh, replicated)
+
+
+def serving_params(state: TrainState, cfg: ModelConfig) -> Any:
+  """The params the engine samples with (and the trainer's forward sees): cfg.param_dtype."""
+  return jax.tree.map(lambda x: x.astype(cfg.param_dtype), state.params)
+
+
+def _grpo_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, loss_cfg, replay,
+                          sharding, temperature, denominator):
+  # f32 masters go in: every use casts to the compute dtype (the serving params' bits) and
+  # the gradients come back in f32 (rljax.numerics.matmul)
+  out = forward(params, mb.tokens, mb.positions, cfg=cfg, numerics=numerics,
+                segment_ids=mb.segment_ids, targets=mb.targets, temperature=temperature,
+                routing=mb.routing if replay else None, sharding=sharding)
+  loss, metrics = policy_loss(out.logprobs, None, mb.behaviour_logprobs, mb.advantages,
+                              mb.loss_mask, cfg=loss_cfg, valid=mb.valid, seq_ids=mb.seq_ids,
+                              num_seqs=mb.advantages.shape[0], loss_denominator=denominator)
+  on = mb.loss_mask & (mb.seq_ids >= 0)
+  metrics["mismatch_max_abs"] = jnp.max(jnp.where(on, jnp.abs(
+      out.logprobs - mb.behaviour_logprobs), 0.0))
+  return loss, metrics
+
+
+def _sft_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, sharding, denominator):
+  lp = forward(params, mb.tokens, mb.positions, cfg=cfg, numerics=numerics,
+               segment_ids=mb.segment_ids, targets=mb.targets, sharding=sharding).logprobs
+  nll = -jnp.sum(jnp.where(mb.loss_mask, lp, 0.0)) / denominator
+  return nll, {"nll": nll}
+
+
+def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
+  """Accumulates gradients over the microbatch axis, then applies them if finite."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def body(acc, mb):
+    (loss, metrics), grads = grad_fn(state.params, mb)
+    return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  grads, (losses, metrics) = lax.scan(body, zeros, batches)
+  loss = jnp.sum(losses)
+  grad_norm = global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+  new_state = TrainState(jax.tree.map(keep, params, state.params),
+                         jax.tree.map(keep, opt_state, state.opt_state),
+                         state.step + finite.astype(jnp.int32))
+  out = {k: jnp.mean(v) for k, v in metrics.items()}
+  if "mismatch_max_abs" in metrics:
+    out["mismatch_max_abs"] = jnp.max(metrics["mismatch_max_abs"])
+  out.update(loss=loss, grad_norm=grad_norm, skipped=~finite)
+  return new_state, out
+
+
+def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
+                   numerics: Numerics, loss_cfg: LossConfig, replay: bool = True,
+                   temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
+                   state_sharding: TrainState | None = None):
+  """Jitted `(state, microbatches) -> (state, metrics)`; the state is donated.
+
+  `microbatches` is a TrainBatch whose leaves carry a leading microbatch axis
+  (`split_microbatches`). The token-mean denominator is the whole batch's loss-token count.
+  """
+  def step(state: TrainState, batches: TrainBatch):
+    denominator = jnp.maximum(jnp.sum(batches.loss_mask & (batches.seq_ids >= 0)), 1)
+    if loss_cfg.aggregation != "token_mean":
+      denominator = None  # sequence means per microbatch, summed (one microbatch = exact)
+    loss_fn = functools.partial(_grpo_microbatch_loss, cfg=cfg, numerics=numerics,
+                                loss_cfg=loss_cfg, replay=replay, sharding=sharding,
+                                temperature=temperature, denominator=denominator)
+    return _apply(state, optimizer, loss_fn, batches)
+
+  return jax.jit(step, donate_argnums=(0,),
+                 in_shardings=None if state_sharding is None else (state_sharding, None),
+                 out_shardings=None if state_sharding is None else (state_sharding, None))
+
+
+def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
+                  numerics: Numerics, sharding: sharding_lib.Sharding | None = None):
+  """Jitted SFT (masked next-token NLL) step on the same state, for the warm start."""
+  def step(state: TrainState, batches: TrainBatch):
+    denominator = jnp.maximum(jnp.sum(batches.loss_mask), 1)
+    loss_fn = functools.partial(_sft_microbatch_loss, cfg=cfg, numerics=numerics,
+                                sharding=sharding, denominator=denominator)
+    return _apply(state, optimizer, loss_fn, batches)
+
+  return jax.jit(step, donate_argnums=(0,))

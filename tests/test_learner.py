@@ -1,0 +1,151 @@
+"""Learner: packing of trajectories, the GRPO/SFT steps, microbatching, skipping, replay."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.rl import learner
+from rljax.rl.batch import build_batch, split_microbatches
+from rljax.rl.losses import LossConfig
+from rljax.numerics import Numerics
+
+DET = Numerics("deterministic")
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=64)
+  rng = np.random.default_rng(0)
+  trajs = eng.generate([Request(g, rng.integers(3, tiny_cfg.vocab_size, size=int(n)), n=4,
+                                sampling=SamplingParams(max_new_tokens=12), seed=1)
+                        for g, n in enumerate((5, 9, 14, 20))])
+  adv = np.random.default_rng(1).standard_normal(len(trajs)).astype(np.float32)
+  return trajs, adv
+
+
+def _batch(tiny_cfg, trajs, adv, valid=None):
+  valid = np.ones(len(trajs), bool) if valid is None else valid
+  return build_batch(trajs, adv, valid, row_len=64, num_rows=8, num_seqs=16,
+                     page_size=tiny_cfg.page_size, with_routing=True)
+
+
+def test_build_batch_aligns_targets_with_behaviour(tiny_cfg, rollouts):
+  trajs, adv = rollouts
+  b = _batch(tiny_cfg, trajs, adv)
+  assert b.tokens.shape == (8, 64) and b.routing.shape[:2] == (8, 64)
+  assert int(b.loss_mask.sum()) == sum(int(t.loss_mask.sum()) for t in trajs)
+  for j, t in enumerate(trajs):
+    on = (b.seq_ids == j) & b.loss_mask
+    np.testing.assert_array_equal(b.targets[on], t.completion_ids[t.loss_mask])
+    np.testing.assert_array_equal(b.behaviour_logprobs[on], t.behaviour_logprobs[t.loss_mask])
+
+
+def test_grpo_step_is_on_policy_bitwise_and_updates(tiny_cfg, tiny_params, rollouts):
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(1e-3)
+  state = learner.init_state(tiny_params, opt)
+  before = jax.tree.map(np.asarray, state.params)
+  step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig())
+  new, metrics = step(state, split_microbatches(_batch(tiny_cfg, trajs, adv), 1))
+  # the engine sampled with the bf16 cast of the same masters: zero mismatch, exactly
+  assert float(metrics["mismatch_max_abs"]) == 0.0
+  assert not bool(metrics["skipped"]) and int(new.step) == 1
+  assert float(metrics["grad_norm"]) > 0
+  changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), new.params, before)
+  assert all(jax.tree.leaves(changed))
+
+
+def test_microbatches_accumulate_to_the_full_batch_gradient(tiny_cfg, tiny_params, rollouts):
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(1e-3)
+  batch = _batch(tiny_cfg, trajs, adv)
+  results = []
+  for micro in (1, 4):
+    step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig())
+    _, m = step(learner.init_state(tiny_params, opt), split_microbatches(batch, micro))
+    results.append(m)
+  # same loss and gradient up to f32 summation order of the accumulation
+  np.testing.assert_allclose(results[0]["loss"], results[1]["loss"], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(results[0]["grad_norm"], results[1]["grad_norm"], rtol=1e-4)
+
+
+def test_non_finite_step_is_skipped(tiny_cfg, tiny_params, rollouts):
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(1e-3)
+  state = learner.init_state(tiny_params, opt)
+  before = jax.tree.map(np.asarray, state.params)
+  bad = adv.copy()
+  bad[0] = np.nan
+  step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig())
+  new, metrics = step(state, split_microbatches(_batch(tiny_cfg, trajs, bad), 1))
+  assert bool(metrics["skipped"]) and int(new.step) == 0
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, new.params), before)
+
+
+def test_router_replay_uses_recorded_experts_and_router_still_learns(tiny_cfg, tiny_params,
+                                                                     rollouts):
+  trajs, adv = rollouts
+  batch = _batch(tiny_cfg, trajs, adv)
+  # a different router: the trainer would route differently on its own
+  perturbed = jax.tree.map(lambda x: x, tiny_params)
+  for name, layer in perturbed["layers"].items():
+    if "moe" in layer:
+      layer["moe"] = dict(layer["moe"], router=jnp.roll(layer["moe"]["router"], 1, axis=1))
+  from rljax.model import forward  # pylint: disable=g-import-not-at-top
+  own = forward(perturbed, batch.tokens, batch.positions, cfg=tiny_cfg, numerics=DET,
+                segment_ids=batch.segment_ids)
+  real = batch.seq_ids >= 0
+  assert np.any(np.asarray(own.routing)[real] != batch.routing[real])
+  replayed = forward(perturbed, batch.tokens, batch.positions, cfg=tiny_cfg, numerics=DET,
+                     segment_ids=batch.segment_ids, routing=batch.routing)
+  np.testing.assert_array_equal(np.asarray(replayed.routing)[real], batch.routing[real])
+  opt = learner.make_optimizer(1e-3)
+  step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig(), replay=True)
+  state = learner.init_state(perturbed, opt)
+  routers = {n: np.asarray(l["moe"]["router"], np.float32)
+             for n, l in state.params["layers"].items() if "moe" in l}
+  new, _ = step(state, split_microbatches(batch, 1))
+  for n, r in routers.items():
+    assert np.any(np.asarray(new.params["layers"][n]["moe"]["router"]) != r)  # got a gradient
+
+
+def test_sft_step_lowers_nll(tiny_cfg, tiny_params, rollouts):
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(3e-3)
+  state = learner.init_state(tiny_params, opt)
+  step = learner.make_sft_step(tiny_cfg, opt, numerics=Numerics("fast"))
+  batch = split_microbatches(_batch(tiny_cfg, trajs, adv), 2)
+  nlls = []
+  for _ in range(5):
+    state, m = step(state, batch)
+    nlls.append(float(m["loss"]))
+  assert nlls[-1] < nlls[0]
+  assert learner.serving_params(state, tiny_cfg)["embed"]["embedding"].dtype == jnp.bfloat16
+
+
+@pytest.mark.multidevice
+def test_grpo_step_on_an_8_device_mesh_matches_one_device():
+  """fsdp and expert layouts with explicit state shardings and donation. Log-probs are
+  bitwise (deterministic mode), so the on-policy mismatch is 0 on the mesh too.
+  fsdp: weight gradients are f32 (rljax.numerics.matmul's VJP) and differ only by
+  summation order: < 1e-5 of the update's size. Expert parallel: the activation
+  cotangents are bf16 (bf16 activations) and the all_gather's transpose sums them across
+  devices in another order, so single elements move by ~1e-2 of the update; the update
+  as a whole agrees to cosine > 0.9999."""
+  import json, pathlib, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  worker = pathlib.Path(__file__).parent / "learner_sharded_worker.py"
+  proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  print(out)
+  assert out["single_mismatch_max_abs"] == 0.0
+  for name in ("fsdp8", "data2_fsdp2_expert2"):
+    assert out[name]["mismatch_max_abs"] == 0.0, out[name]
+    assert out[name]["loss_diff"] < 1e-5, out[name]
+    assert out[name]["update_cosine"] > 0.9999, out[name]
+  assert out["fsdp8"]["update_max_abs_diff_rel"] < 1e-5, out["fsdp8"]
+  assert "fsdp" in out["fsdp8"]["gate_spec"]
