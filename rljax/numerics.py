@@ -147,20 +147,6 @@ class Numerics:
     """
     return _matmul(x, w, self.pad_rows(int(np.prod(x.shape[:-1]))))
 
-  def batched_matmul(self, spec: str, a: jax.Array, b: jax.Array, row_axis: int) -> jax.Array:
-    """einsum(spec, a, b) -> f32, with a's `row_axis` padded like `matmul` rows."""
-    if not self.deterministic:
-      return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
-    m = a.shape[row_axis]
-    mp = self.pad_rows(m)
-    if mp != m:
-      pad = [(0, 0)] * a.ndim
-      pad[row_axis] = (0, mp - m)
-      a = jnp.pad(a, pad)
-    y = jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
-    out_row_axis = _output_axis(spec, row_axis)
-    return lax.slice_in_dim(y, 0, m, axis=out_row_axis)
-
   def sum(self, x: jax.Array) -> jax.Array:
     """Sum over the last axis."""
     return tree_sum(x) if self.deterministic else jnp.sum(x, axis=-1)
@@ -214,12 +200,6 @@ def _matmul_bwd(padded_rows, residuals, g):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-def _output_axis(spec: str, lhs_axis: int) -> int:
-  lhs, rest = spec.split(",")
-  out = rest.split("->")[1]
-  return out.index(lhs.strip()[lhs_axis])
 
 
 FAST = Numerics("fast")

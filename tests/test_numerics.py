@@ -104,12 +104,15 @@ def test_det_softmax_and_log_softmax():
   chex.assert_trees_all_equal(jax.jit(DET.log_softmax)(x[:1]), jax.jit(DET.log_softmax)(x)[:1])
 
 
-def test_batched_matmul_pads_and_slices_rows():
-  a = jnp.ones((2, 3, 1, 16), jnp.bfloat16)
-  b = jnp.ones((2, 3, 5, 16), jnp.bfloat16)
-  out = DET.batched_matmul("bhmd,bhnd->bhmn", a, b, row_axis=2)
-  assert out.shape == (2, 3, 1, 5) and out.dtype == jnp.float32
-  np.testing.assert_array_equal(out, 16.0)
+def test_det_matmul_pads_rows_and_gives_f32_weight_gradients():
+  x = jnp.ones((3, 16), jnp.bfloat16)
+  w = jnp.full((16, 5), 0.5, jnp.float32)  # an f32 master, cast at use
+  out = DET.matmul(x, w)
+  assert out.shape == (3, 5) and out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, 8.0)
+  dw = jax.grad(lambda w: jnp.sum(DET.matmul(x, w) * 1e-3))(w)
+  assert dw.dtype == jnp.float32
+  np.testing.assert_array_equal(dw, np.float32(3e-3))  # 3 rows x 1e-3, not rounded to bf16
 
 
 def test_bad_mode_is_rejected():

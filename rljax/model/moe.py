@@ -3,9 +3,9 @@
 No capacity, no drops: a token's output depends only on the token. Two expert paths:
 
 * fast: slots sorted by expert and `lax.ragged_dot` (a grouped GEMM on GPU/TPU).
-* deterministic: every local expert is applied to every token with 2-D/batched bf16
-  dots whose per-row numerics do not depend on the row count, then each token's chosen
-  experts are picked out. Costs num_experts / top_k times the expert FLOPs; a grouped
+* deterministic: every local expert is applied to every token with plain 2-D bf16 dots
+  (one per expert for the down projection) whose per-row numerics do not depend on the
+  row count, then each token's chosen experts are picked out. Costs num_experts / top_k times the expert FLOPs; a grouped
   GEMM with fixed row tiles (a Pallas kernel) is how accelerators should pay less.
 
 Expert parallelism (`expert` mesh axis > 1) runs under `jax.shard_map`: each device
