@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import tiny_moe
-from rljax.model import ModelConfig, PagedKV, forward, init_params
-from rljax.model.packing import pack, unpack
+from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
+from rljax.model.packing import pack
 from rljax.numerics import Numerics
 
 _PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
@@ -38,42 +38,16 @@ _CHILD = flags.DEFINE_bool("child_fast_train", False, "internal: time fast train
 _NO_RLJAX_FLAGS = "--xla_cpu_max_isa=AVX512 --xla_allow_excess_precision=true"
 
 
-def _targets(tokens):
-  return np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
-
-
 def _params(cfg):
   p = init_params(cfg, jax.random.key(0), "float32")  # sharpen: x10 on matrices
   return jax.tree.map(lambda x: (x * 10 if x.ndim > 1 else x).astype(cfg.param_dtype), p)
 
 
 def _decode_vs_train(cfg, params, numerics, seqs):
-  p = pack(seqs, 128, cfg.page_size)
-  train = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=cfg, numerics=numerics,
-                                      segment_ids=p.segment_ids,
-                                      targets=_targets(p.tokens)).logprobs)(params)
-  train = [x[:-1] for x in unpack(np.asarray(train), p)]
-  b, n = len(seqs), max(len(s) for s in seqs)
-  tokens = np.zeros((b, n), np.int32)
-  for i, s in enumerate(seqs):
-    tokens[i, :len(s)] = s
-  targets = _targets(tokens)
-  blocks = -(-n // cfg.page_size)
-  table = 1 + np.random.default_rng(1).permutation(b * blocks).reshape(b, blocks)
-  shape = (cfg.num_hidden_layers, 1 + b * blocks, cfg.page_size, cfg.num_key_value_heads,
-           cfg.head_dim)
-  kv = PagedKV(jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype),
-               jnp.asarray(table, jnp.int32))
-  step = jax.jit(lambda prm, t, pos, kv, tg: forward(prm, t, pos, cfg=cfg, numerics=numerics,
-                                                     kv=kv, targets=tg))
-  lengths = np.array([len(s) for s in seqs])
-  dec = np.zeros((b, n), np.float32)
-  for i in range(n):
-    pos = np.where(i < lengths, i, -1).astype(np.int32)[:, None]
-    res = step(params, tokens[:, i:i + 1], pos, kv, targets[:, i:i + 1])
-    kv = res.kv
-    dec[:, i] = np.asarray(res.logprobs)[:, 0]
-  return max(float(np.max(np.abs(t - dec[i, :len(t)]))) for i, t in enumerate(train))
+  train = scoring.packed_logprobs(params, seqs, cfg=cfg, numerics=numerics, row_len=128)
+  decode = scoring.paged_decode_logprobs(params, seqs, cfg=cfg, numerics=numerics,
+                                         shuffle_pages_seed=1)
+  return scoring.max_abs_diff(train, decode)
 
 
 def _train_step(cfg, numerics):
@@ -81,7 +55,7 @@ def _train_step(cfg, numerics):
   seqs = [rng.integers(1, cfg.vocab_size, size=int(n)) for n in rng.integers(20, 60, size=16)]
   p = pack(seqs, 128, cfg.page_size, num_rows=8)
   mask = (p.segment_ids > 0).astype(np.float32)
-  batch = (p.tokens, p.positions, p.segment_ids, _targets(p.tokens), mask)
+  batch = (p.tokens, p.positions, p.segment_ids, scoring.next_token_targets(p.tokens), mask)
 
   def loss(params, batch):
     tokens, positions, segs, targets, mask = batch

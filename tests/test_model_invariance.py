@@ -182,3 +182,24 @@ def test_fast_and_det_agree_closely(tiny_cfg, tiny_params):
   # token's log-prob by more, so compare the bulk of tokens, not the worst one.
   diffs = np.concatenate([np.abs(a - b) for a, b in zip(det, fast)])
   assert np.median(diffs) < 0.05, np.median(diffs)
+
+
+def test_scoring_helpers_agree_bitwise(tiny_cfg, tiny_params):
+  from rljax.model import scoring  # pylint: disable=g-import-not-at-top
+  seqs = _sequences(4, [9, 33, 17, 40], tiny_cfg.vocab_size, seed=8)
+  train = scoring.packed_logprobs(tiny_params, seqs, cfg=tiny_cfg, numerics=DET, row_len=64)
+  decode = scoring.paged_decode_logprobs(tiny_params, seqs, cfg=tiny_cfg, numerics=DET,
+                                         shuffle_pages_seed=3)
+  chex.assert_trees_all_equal(train, decode)
+  assert [len(x) for x in train] == [8, 32, 16, 39]
+
+
+def test_default_experiment_runs_end_to_end():
+  """`make run`'s experiment, as a subprocess: its last line is JSON with exact agreement."""
+  import json, pathlib, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  root = pathlib.Path(__file__).parent.parent
+  proc = subprocess.run([sys.executable, "experiments/run_default.py"], cwd=root,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["max_abs_logprob_diff_train_vs_decode"] == 0.0 and out["tokens"] > 0
