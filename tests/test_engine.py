@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.engine.pages import OutOfPages
 from rljax.model import forward
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
@@ -256,3 +257,16 @@ def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):
       temperature=0.0, max_new_tokens=64)) for i in range(32)])
   for t, (train_lp, _) in zip(trajs, _trainer_view(params, cfg, trajs)):
     chex.assert_trees_all_equal(t.behaviour_logprobs, train_lp)
+
+
+def test_pages_held_by_parked_sequences_raise_instead_of_hanging(tiny_cfg, tiny_params):
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=2, max_seq_len=64,
+                     num_pages=4)
+  eng.generate([Request(1, np.arange(3, 20), keep_pages=True,
+                        sampling=SamplingParams(max_new_tokens=4))])  # parks 2 of 3 pages
+  eng.submit(Request(2, np.arange(3, 23), sampling=SamplingParams(max_new_tokens=4)))
+  with pytest.raises(OutOfPages, match="parked"):
+    eng.run()
+  eng.release(1, 0)
+  (t,) = eng.run()  # the waiting request was kept and now fits
+  assert t.request_id == 2 and eng.pool.used_count == 0

@@ -196,6 +196,11 @@ class DecodeEngine:
     active = [i for i, s in enumerate(self.slots) if s is not None]
     if active:
       finished += self._decode_active(active)
+    elif self.waiting and not self.ready and not finished:
+      # nothing runs, so no pages will come free: only parked sequences can hold them
+      raise OutOfPages(f"waiting work needs more than the {self.pool.free_count} free pages; "
+                       f"{len(self.parked)} parked multi-turn sequences hold the rest "
+                       "(release() them) or raise num_pages")
     return finished
 
   def run(self) -> list[Trajectory]:
