@@ -12,7 +12,6 @@ ratios. Last line: one JSON object.
 
 import rljax  # noqa: F401  (XLA flags first)
 
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -25,8 +24,8 @@ import numpy as np
 
 from configs import tiny_moe
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
-from rljax.model import forward
-from rljax.model.hf_import import load_hf_checkpoint
+from rljax.model import ModelConfig, forward
+from rljax.model.hf_import import hf_config_kwargs, load_hf_checkpoint
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
 
@@ -37,17 +36,7 @@ BATCH, PROMPT, NEW, GROUP = 32, 16, 64, 8
 def _hf_model(model_cfg):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  hf_cfg = transformers.Qwen3MoeConfig(
-      vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
-      num_hidden_layers=model_cfg.num_hidden_layers,
-      num_attention_heads=model_cfg.num_attention_heads,
-      num_key_value_heads=model_cfg.num_key_value_heads, head_dim=model_cfg.head_dim,
-      num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.num_experts_per_tok,
-      moe_intermediate_size=model_cfg.moe_intermediate_size,
-      intermediate_size=model_cfg.intermediate_size, mlp_only_layers=list(model_cfg.mlp_only_layers),
-      norm_topk_prob=True, max_position_embeddings=model_cfg.max_position_embeddings,
-      rope_theta=model_cfg.rope_theta, rms_norm_eps=model_cfg.rms_norm_eps,
-      tie_word_embeddings=False)
+  hf_cfg = transformers.Qwen3MoeConfig(**hf_config_kwargs(model_cfg))
   hf_cfg._attn_implementation = "eager"
   torch.manual_seed(0)
   model = transformers.Qwen3MoeForCausalLM(hf_cfg).float().eval()
@@ -67,8 +56,7 @@ def _time(fn):
 def main(_):
   import torch  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(2)
-  base = tiny_moe.get_config().model.to_dict()
-  hf = _hf_model(dataclasses.make_dataclass("C", base.keys())(**base))
+  hf = _hf_model(ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()))
   with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(d)
     cfg, params = load_hf_checkpoint(d, dtype="bfloat16", page_size=16)

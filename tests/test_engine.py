@@ -224,16 +224,8 @@ def _hf_initialised_tiny(tiny_cfg, tmp_path):
   """The bench_decode weights: transformers' tiny Qwen3-MoE, N(0, 0.2) matrices, seed 0."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from rljax.model.hf_import import load_hf_checkpoint  # pylint: disable=g-import-not-at-top
-  c = tiny_cfg
-  hf_cfg = transformers.Qwen3MoeConfig(
-      vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-      head_dim=c.head_dim, num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-      moe_intermediate_size=c.moe_intermediate_size, intermediate_size=c.intermediate_size,
-      mlp_only_layers=list(c.mlp_only_layers), norm_topk_prob=True,
-      max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
-      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False)
+  from rljax.model import hf_import  # pylint: disable=g-import-not-at-top
+  hf_cfg = transformers.Qwen3MoeConfig(**hf_import.hf_config_kwargs(tiny_cfg))
   torch.manual_seed(0)
   model = transformers.Qwen3MoeForCausalLM(hf_cfg).float().eval()
   with torch.no_grad():
@@ -241,7 +233,8 @@ def _hf_initialised_tiny(tiny_cfg, tmp_path):
       if prm.ndim >= 2:
         prm.normal_(0.0, 0.2)
   model.save_pretrained(tmp_path)
-  return load_hf_checkpoint(str(tmp_path), dtype="bfloat16", page_size=c.page_size)
+  return hf_import.load_hf_checkpoint(str(tmp_path), dtype="bfloat16",
+                                      page_size=tiny_cfg.page_size)
 
 
 def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from rljax.model import forward  # noqa: E402
-from rljax.model.hf_import import config_from_hf, load_hf_checkpoint  # noqa: E402
+from rljax.model.hf_import import config_from_hf, hf_config_kwargs, load_hf_checkpoint  # noqa: E402
 from rljax.numerics import Numerics  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -265,3 +265,12 @@ def test_tied_embeddings(reference, tmp_path):
   save_file(dict(tensors, **{"lm_head.weight": head}), str(dst / "model.safetensors"))
   with pytest.raises(ValueError, match="lm_head.weight differs"):
     load_hf_checkpoint(str(dst))
+
+
+def test_hf_config_kwargs_round_trips():
+  from configs import tiny_moe  # pylint: disable=g-import-not-at-top
+  from rljax.model import ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  hf = transformers.Qwen3MoeConfig(**hf_config_kwargs(cfg))
+  back = config_from_hf(hf.to_dict(), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  assert back == cfg

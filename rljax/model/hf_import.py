@@ -80,6 +80,21 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
   return float(_HF_DEFAULTS["rope_theta"] if theta is None else theta)
 
 
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+  """Keyword arguments of `transformers.Qwen3MoeConfig` for the same architecture (the
+  inverse of `config_from_hf`), to build a Hugging Face twin of an rljax model."""
+  return dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+      num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+      num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+      moe_intermediate_size=cfg.moe_intermediate_size, intermediate_size=cfg.intermediate_size,
+      mlp_only_layers=list(cfg.mlp_only_layers), decoder_sparse_step=cfg.decoder_sparse_step,
+      norm_topk_prob=cfg.norm_topk_prob, max_position_embeddings=cfg.max_position_embeddings,
+      rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+      tie_word_embeddings=cfg.tie_word_embeddings)
+
+
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   """ModelConfig from a Hugging Face Qwen3MoeConfig dict (a config.json).
 
