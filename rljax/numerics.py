@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 from jax import lax
@@ -200,6 +200,22 @@ def _matmul_bwd(padded_rows, residuals, g):
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+  """x rounded to `dtype` and back, with a straight-through (identity) derivative.
+
+  For f32 master weights used outside a matmul (norm scales): the forward sees exactly
+  the bits of the serving cast, the gradient stays f32.
+  """
+  return x.astype(dtype).astype(x.dtype)
+
+
+@round_to.defjvp
+def _round_to_jvp(dtype, primals, tangents):
+  (x,), (t,) = primals, tangents
+  return round_to(x, dtype), t
 
 
 FAST = Numerics("fast")

@@ -15,7 +15,7 @@ from rljax import sharding as sharding_lib
 from rljax.model import attention, moe
 from rljax.model.config import ModelConfig
 from rljax.model.params import layer_name
-from rljax.numerics import FAST, Numerics
+from rljax.numerics import FAST, Numerics, round_to
 
 ACT = ("batch", "length", None)  # activations: batch-sharded, features replicated
 
@@ -35,8 +35,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, numerics: Numerics) -> 
   mean_sq = numerics.sum(xf * xf) * (1.0 / x.shape[-1])
   y = (xf * lax.rsqrt(mean_sq + eps)[..., None]).astype(x.dtype)
   # HF multiplies in the model dtype; a bf16 x bf16 product is exact in f32, so doing it
-  # in f32 and rounding once gives the same bits, and an f32 gradient for the scale
-  return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+  # in f32 and rounding once gives the same bits, and an f32 gradient for the scale. An
+  # f32 master scale is rounded to the model dtype first: the serving params' bits.
+  scale = round_to(scale.astype(jnp.float32), x.dtype)
+  return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=8)

@@ -35,7 +35,7 @@ class TrainState:
   step: jax.Array  # int32 applied updates
 
 
-def make_optimizer(learning_rate: float, *, weight_decay: float = 0.0, clip_norm: float = 1.0,
+def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0, clip_norm: float = 1.0,
                    b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(clip_norm),
                      optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
