@@ -12,6 +12,11 @@ one stream version; steps `--measure_from`..`--rl_steps` are the steady state me
 design notes' measurement; the 5-version catch-up deltas have that density, so their
 ratio is the one to compare with it.)
 
+Second workload (`--workload=grpo` or `both`, the default): real GRPO updates of the
+`configs/arith_tiny.py` run (rljax.pipeline.sync: SFT warm start for `--grpo_sft_steps`,
+then GRPO steps with the in-process engine), each version's serving bf16 params
+snapshotted, at the config's own learning rate and at 1e-6 (the design notes' regime).
+
 Per codec (every delta codec in rljax.sync.codecs), over the steady-state steps:
   delta_bytes                 mean bytes of one step's delta (all tensors)
   ratio_vs_full_bf16          full bf16 bytes / delta_bytes
@@ -51,6 +56,9 @@ _PRETRAIN = flags.DEFINE_integer("pretrain_steps", 100, "supervised steps before
 _RL_STEPS = flags.DEFINE_integer("rl_steps", 60, "RL steps (the last one is measured)")
 _FROM = flags.DEFINE_integer("measure_from", 40, "first RL step of the steady state")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timing repeats per step (min taken)")
+_WORKLOAD = flags.DEFINE_enum("workload", "both", ["markov", "grpo", "both"],
+                              "markov: AdamW on a synthetic PG loss; grpo: arith_tiny GRPO")
+_GRPO_SFT = flags.DEFINE_integer("grpo_sft_steps", 300, "SFT warm-start steps before GRPO")
 
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
@@ -128,6 +136,42 @@ def rl_snapshots():
            "rl_steps": _RL_STEPS.value, "measured_rl_steps": [_FROM.value + 1, _RL_STEPS.value],
            "train_seconds": round(time.perf_counter() - t0, 1)}
   return snaps, facts
+
+
+def grpo_snapshots(learning_rates=(None, 1e-6)):
+  """{lr: ({version: bf16 bits}, facts)}: arith_tiny's GRPO loop at each learning rate
+  (None = the config's), from one shared SFT warm start."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import sync  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.sft.steps = _GRPO_SFT.value
+  config.rl.steps = _RL_STEPS.value
+  config.eval.every = 0
+  config.log.tensorboard = False
+  run = sync.setup(config, tempfile.mkdtemp(prefix="bench_delta_grpo_"))
+  sync.sft(run)
+  warm = run.state
+  out = {}
+  for lr in learning_rates:
+    config.rl.learning_rate = lr or arith_tiny.get_config().rl.learning_rate
+    run.state, run.version = warm, 0
+    snaps = {}
+
+    def keep(record):
+      if record["step"] >= _FROM.value:
+        snaps[record["step"]] = _bf16_bits(run.engine.params)
+
+    t0 = time.perf_counter()
+    sync.grpo(run, on_step=keep)
+    out[config.rl.learning_rate] = (snaps, {
+        "model": "arith_tiny", "params": count_params(warm.params),
+        "sft_steps": _GRPO_SFT.value, "rl_steps": _RL_STEPS.value,
+        "learning_rate": config.rl.learning_rate,
+        "measured_rl_steps": [_FROM.value + 1, _RL_STEPS.value],
+        "rl_seconds": round(time.perf_counter() - t0, 1)})
+  run.log.close()
+  return out
 
 
 # ---- measurements ----
@@ -271,13 +315,20 @@ def _goals(entry):
 
 
 def main(_):
-  snaps, facts = rl_snapshots()
-  results, full_bytes = measure_window(snaps, facts["params"])
-  e2e = stream_e2e(snaps, full_bytes)
-  print("stream_e2e", json.dumps(e2e), flush=True)
-  print(json.dumps({"bench": "delta", "workload": facts, "default_codec": codecs.DEFAULT_DELTA,
-                    "codecs": results, "goals": _goals(results[codecs.DEFAULT_DELTA]),
-                    "stream_e2e": e2e}))
+  out = {"bench": "delta", "default_codec": codecs.DEFAULT_DELTA}
+  if _WORKLOAD.value in ("markov", "both"):
+    snaps, facts = rl_snapshots()
+    results, full_bytes = measure_window(snaps, facts["params"])
+    e2e = stream_e2e(snaps, full_bytes)
+    print("stream_e2e", json.dumps(e2e), flush=True)
+    out.update(workload=facts, codecs=results,
+               goals=_goals(results[codecs.DEFAULT_DELTA]), stream_e2e=e2e)
+  if _WORKLOAD.value in ("grpo", "both"):
+    out["grpo"] = {}
+    for lr, (snaps, facts) in grpo_snapshots().items():
+      results, _ = measure_window(snaps, facts["params"])
+      out["grpo"][f"lr_{lr:g}"] = {"workload": facts, "codecs": results}
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":

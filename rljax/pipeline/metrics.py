@@ -1,0 +1,96 @@
+"""Run metrics: one JSONL record per event, TensorBoard scalars, a reward-curve PNG.
+
+Records are flat dicts of numbers tagged with a `phase` ("sft", "grpo", "eval", ...) and a
+`step`. The JSONL file is the source of truth (plots and tables are made from it); the
+TensorBoard events carry the same scalars as `<phase>/<name>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _number(v: Any) -> float | int | None:
+  v = np.asarray(v)
+  if v.shape != () or v.dtype.kind not in "biuf":
+    return None
+  return bool(v) if v.dtype.kind == "b" else v.item()
+
+
+class MetricsLogger:
+  """Writes `<workdir>/metrics.jsonl` and TensorBoard events under `<workdir>/tb`."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.workdir = workdir
+    self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, phase: str, step: int, values: Mapping[str, Any]) -> dict:
+    record: dict[str, Any] = {"phase": phase, "step": int(step)}
+    for k, v in values.items():
+      x = _number(v)
+      if x is None:
+        raise TypeError(f"metric {k!r} is not a scalar number: {v!r}")
+      record[k] = x
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k not in ("phase", "step") and math.isfinite(float(v)):
+          self._tb.add_scalar(f"{phase}/{k}", float(v), int(step))
+    return record
+
+  def close(self) -> None:
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+
+  def __enter__(self) -> "MetricsLogger":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward_curve(records: list[dict], path: str, *, title: str = "") -> None:
+  """Train reward per GRPO step (and a moving average) with held-out pass@1 points."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  train = [r for r in records if r["phase"] == "grpo"]
+  evals = [r for r in records if r["phase"] == "eval"]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    x = np.array([r["step"] for r in train])
+    y = np.array([r["reward_mean"] for r in train])
+    ax.plot(x, y, lw=0.8, alpha=0.4, label="train reward (per step)")
+    w = max(1, len(y) // 20)
+    ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, mode="valid"), lw=2,
+            label=f"train reward ({w}-step mean)")
+  if evals:
+    ax.plot([r["step"] for r in evals], [r["pass1"] for r in evals], "o-", color="k",
+            label="held-out pass@1 (greedy)")
+  ax.set_xlabel("GRPO step (policy version)")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
