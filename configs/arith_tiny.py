@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.load = ""  # an SFT checkpoint directory (<workdir>/sft_checkpoint) instead of SFT
   c.sft.steps = 2000  # at most: it stops once greedy pass@1 on train probe tasks >= target
   c.sft.target_pass1 = 0.7  # 0 = always run all steps
-  c.sft.probe_every = 100
+  c.sft.probe_every = 50
   c.sft.probe_tasks = 128
   c.sft.batch_size = 64
   c.sft.microbatches = 1

@@ -118,6 +118,26 @@ def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cf
   assert eng.idle and not eng.parked and eng.pool.used_count == 0
 
 
+def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, tiny_params):
+  # Continuations queued by extend() hold their pages while they wait; with the pool
+  # full of them nothing could run (calc_tiny hit OutOfPages). Their caches are dropped
+  # and re-prefilled instead, and the episodes stay bitwise the same.
+  env = _EchoTool()
+  tasks = env.prompts("train", 6, seed=0)
+  sp = SamplingParams(max_new_tokens=5)
+  small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9)
+  roomy = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
+  a = generate_groups(small, env, tasks, group_size=4, seed=5, sampling=sp)
+  b = generate_groups(roomy, env, tasks, group_size=4, seed=5, sampling=sp)
+  assert small.stats["preemptions"] > 0
+  for ga, gb in zip(a, b):
+    for ta, tb in zip(ga.trajectories, gb.trajectories):
+      chex.assert_trees_all_equal(ta.tokens, tb.tokens)
+      chex.assert_trees_all_equal(ta.behaviour_logprobs, tb.behaviour_logprobs)
+      chex.assert_trees_all_equal(ta.expert_ids, tb.expert_ids)
+  assert small.idle and small.pool.used_count == 0
+
+
 def test_env_errors_are_infra_failures(tiny_cfg, tiny_params):
   env = _EchoTool(fail_step_on_turn=2)
   eng = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)

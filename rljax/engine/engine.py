@@ -197,7 +197,10 @@ class DecodeEngine:
     if active:
       finished += self._decode_active(active)
     elif self.waiting and not self.ready and not finished:
-      # nothing runs, so no pages will come free: only parked sequences can hold them
+      # nothing runs, so no pages will come free: drop the cache of a waiting multi-turn
+      # continuation (it is re-prefilled when admitted); only parked ones remain to blame
+      if self._evict_waiting_cache():
+        return finished
       raise OutOfPages(f"waiting work needs more than the {self.pool.free_count} free pages; "
                        f"{len(self.parked)} parked multi-turn sequences hold the rest "
                        "(release() them) or raise num_pages")
@@ -396,6 +399,16 @@ class DecodeEngine:
     seq.routing = []
     self.stats["preemptions"] += 1
     self.waiting.appendleft(seq)
+
+  def _evict_waiting_cache(self) -> bool:
+    """Releases the pages of the newest waiting sequence that holds any."""
+    for seq in reversed(self.waiting):
+      if isinstance(seq, _Seq) and seq.pages:
+        self.pool.release(seq.pages)
+        seq.pages, seq.cached, seq.routing = [], 0, []
+        self.stats["preemptions"] += 1
+        return True
+    return False
 
   # ---- records --------------------------------------------------------------------------
 
