@@ -183,7 +183,9 @@ def _grpo(workdir, *overrides):
          "--config.eval.every=2", "--config.engine.num_slots=16", *overrides]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  def strict(name):  # NaN / Infinity are not JSON
+    raise ValueError(f"non-JSON constant {name} in the last line")
+  return json.loads(proc.stdout.strip().splitlines()[-1], parse_constant=strict)
 
 
 def test_grpo_experiment_end_to_end_and_deterministic_mode_has_zero_mismatch(tmp_path):

@@ -160,7 +160,7 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
   tasks = task_stream(run.env, c.num_tasks, run.config.seed + 1)
   shape = run.batch_shape(c.batch_size)
   probe = run.env.prompts("train", c.probe_tasks, run.config.seed + 2) if c.target_pass1 else []
-  metrics, probe_pass1, step = {}, float("nan"), 0
+  metrics, probe_pass1, step = {}, 0.0, 0
   t0 = time.perf_counter()
   for step in progress(range(1, c.steps + 1)):
     trajs = [sft_trajectory(run.env, t) for t in itertools.islice(tasks, c.batch_size)]
@@ -176,9 +176,11 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
       if probe_pass1 >= c.target_pass1:
         break
   run.state = learner.TrainState(state.params, (), jnp.zeros((), jnp.int32))
-  return {"sft_steps": step, "sft_s": time.perf_counter() - t0,
-          "sft_nll": float(metrics.get("nll", float("nan"))),
-          "sft_train_probe_pass1": probe_pass1}
+  out = {"sft_steps": step, "sft_s": time.perf_counter() - t0,
+         "sft_nll": float(metrics["nll"]) if "nll" in metrics else None}
+  if probe:  # the last line must stay strict JSON: no NaN for "not probed"
+    out["sft_train_probe_pass1"] = probe_pass1
+  return out
 
 
 def save_params(run: Run, directory: str) -> None:
