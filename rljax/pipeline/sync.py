@@ -82,6 +82,11 @@ def sft_trajectory(env: Env, task: Task) -> Trajectory:
                     np.zeros(c, np.float32), np.zeros(c, np.int32), None, FinishReason.EOS)
 
 
+def params_only(params: Any) -> learner.TrainState:
+  """The state between phases: f32 params; each phase builds its own optimizer state."""
+  return learner.TrainState(params, (), jnp.zeros((), jnp.int32))
+
+
 @dataclasses.dataclass
 class Run:
   """Everything one run holds; built by `setup`, driven by `sft`, `grpo` and `evaluate`."""
@@ -121,7 +126,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   heldout = env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
   params = init_sharded(cfg, config.seed, sharding, dtype=jnp.float32)
   serve = jax.jit(functools.partial(learner.serving_params, cfg=cfg))
-  state = learner.TrainState(params, (), jnp.zeros((), jnp.int32))
+  state = params_only(params)
   engine = DecodeEngine(cfg, serve(state), numerics=numerics,
                         num_slots=config.engine.num_slots, max_seq_len=config.engine.max_seq_len,
                         eos_id=env.tokenizer.eos_id, sharding=sharding)
@@ -175,7 +180,7 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
       run.log.write("sft_probe", step, {"train_probe_pass1": probe_pass1})
       if probe_pass1 >= c.target_pass1:
         break
-  run.state = learner.TrainState(state.params, (), jnp.zeros((), jnp.int32))
+  run.state = params_only(state.params)
   out = {"sft_steps": step, "sft_s": time.perf_counter() - t0,
          "sft_nll": float(metrics["nll"]) if "nll" in metrics else None}
   if probe:  # the last line must stay strict JSON: no NaN for "not probed"
@@ -191,7 +196,7 @@ def save_params(run: Run, directory: str) -> None:
 def load_params(run: Run, directory: str) -> None:
   with Checkpointer(directory, keep_last=1) as ckpt:
     restored = ckpt.restore({"params": run.state.params})
-  run.state = learner.TrainState(restored.state["params"], (), jnp.zeros((), jnp.int32))
+  run.state = params_only(restored.state["params"])
 
 
 def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
