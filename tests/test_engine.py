@@ -2,9 +2,11 @@
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax.engine import sampling
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.engine.pages import OutOfPages
 from rljax.model import forward
@@ -263,3 +265,22 @@ def test_pages_held_by_parked_sequences_raise_instead_of_hanging(tiny_cfg, tiny_
   eng.release(1, 0)
   (t,) = eng.run()  # the waiting request was kept and now fits
   assert t.request_id == 2 and eng.pool.used_count == 0
+
+
+def test_top_p_one_never_truncates_even_when_the_rounded_mass_passes_one():
+  # Peaked rows: the f32 cumsum of the sorted probabilities reaches 1.0 before the last
+  # tokens. top_p = 1 must still keep them, so the behaviour log-prob is the plain
+  # log-softmax the trainer recomputes (a 1-4 ulp mismatch in deterministic runs before).
+  rng = np.random.default_rng(0)
+  rows, vocab = 512, 64
+  logits = jnp.asarray(rng.normal(0, 6, (rows, vocab)), jnp.float32)
+  logp = DET.log_softmax(logits)
+  sorted_p = np.sort(np.exp(np.asarray(logp, np.float64)).astype(np.float32), -1)[:, ::-1]
+  mass_before = np.cumsum(sorted_p, -1, dtype=np.float32) - sorted_p
+  assert (mass_before >= 1.0).any(), "the case this test is about does not occur"
+  keys = sampling.token_keys(*(jnp.arange(rows, dtype=jnp.int32),) * 4)
+  ones, zeros = jnp.ones(rows, jnp.float32), jnp.zeros(rows, jnp.int32)
+  tokens, behaviour = jax.jit(lambda l, k: sampling.sample(l, k, ones, zeros, ones, DET))(
+      logits, keys)
+  want = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  chex.assert_trees_all_equal(behaviour, want)

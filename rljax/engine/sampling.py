@@ -46,9 +46,11 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   sorted_logp = jnp.take_along_axis(logp, order, axis=-1)
   rank = jnp.arange(v)[None, :]
   keep_sorted = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-  # top-p: keep the smallest prefix whose mass reaches top_p (the first token always)
+  # top-p: keep the smallest prefix whose mass reaches top_p (the first token always).
+  # top_p >= 1 is off outright: a rounded cumsum can pass 1.0 before the last tokens, and
+  # dropping them would renormalise the behaviour log-prob away from the trainer's.
   mass_before = jnp.cumsum(numerics.exp(sorted_logp), axis=-1) - numerics.exp(sorted_logp)
-  keep_sorted &= (mass_before < top_p[:, None]) | (rank == 0)
+  keep_sorted &= (top_p[:, None] >= 1.0) | (mass_before < top_p[:, None]) | (rank == 0)
   keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
   truncated = jnp.where(keep, logp, NEG_INF)
   drawn = jax.vmap(jax.random.categorical)(keys, truncated)
