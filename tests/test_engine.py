@@ -49,13 +49,16 @@ def _by_key(trajs):
 @pytest.fixture(scope="module")
 def det_runs(tiny_cfg, tiny_params):
   """The same 6 requests (groups of 4) through engines with different slot counts and
-  submission orders: different batch compositions, slots and companions."""
+  submission orders and decode steps per device call: different batch compositions,
+  slots, companions and chunking."""
   reqs = _requests(tiny_cfg, 6, n=4)
   runs = {}
-  for name, slots, order in (("slots8", 8, reqs), ("slots3_reversed", 3, reqs[::-1]),
-                             ("slots5_shuffled", 5, [reqs[i] for i in (3, 0, 5, 1, 4, 2)])):
+  shuffled = [reqs[i] for i in (3, 0, 5, 1, 4, 2)]
+  for name, slots, order, steps in (("slots8", 8, reqs, 8),
+                                    ("slots3_reversed_1step", 3, reqs[::-1], 1),
+                                    ("slots5_shuffled_3steps", 5, shuffled, 3)):
     eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, max_seq_len=128,
-                       eos_id=EOS)
+                       eos_id=EOS, steps_per_call=steps)
     runs[name] = (eng, eng.generate(order))
   alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=128,
                        eos_id=EOS)
@@ -73,7 +76,7 @@ def test_engine_logprobs_are_bitwise_the_trainers(tiny_cfg, tiny_params, det_run
 
 def test_tokens_do_not_depend_on_slot_or_companions(det_runs):
   base = _by_key(det_runs["slots8"][1])
-  for name in ("slots3_reversed", "slots5_shuffled", "alone"):
+  for name in ("slots3_reversed_1step", "slots5_shuffled_3steps", "alone"):
     for key, t in _by_key(det_runs[name][1]).items():
       np.testing.assert_array_equal(t.completion_ids, base[key].completion_ids, err_msg=name)
       chex.assert_trees_all_equal(t.behaviour_logprobs, base[key].behaviour_logprobs)
@@ -86,7 +89,7 @@ def test_no_recompiles_and_pages_freed(det_runs):
     assert all(v == 1 for k, v in eng.trace_counts.items() if k.startswith("prefill_"))
     assert eng.pool.used_count == 0 and eng.idle, name
     assert eng.max_waste_pages < 1.0
-  assert len(det_runs["slots3_reversed"][1]) == 24  # 6 groups x 4 through 3 slots
+  assert len(det_runs["slots3_reversed_1step"][1]) == 24  # 6 groups x 4 through 3 slots
 
 
 def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
@@ -155,7 +158,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)
   finished = []
-  for _ in range(6):
+  for _ in range(2):  # 1 + 2 x 8 tokens each (steps_per_call 8) of 30
     finished += eng.step()
   running = sum(s is not None for s in eng.slots)
   assert running == 4

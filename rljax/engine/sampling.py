@@ -13,6 +13,8 @@ deterministic mode. Greedy slots (temperature 0) record the temperature-1 log-pr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -38,10 +40,24 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
 
   temperature [S] (0 = greedy), top_k [S] (0 = off), top_p [S] (1 = off).
   """
-  v = logits.shape[-1]
   greedy = temperature <= 0
   t = jnp.where(greedy, 1.0, temperature)[:, None]
   logp = numerics.log_softmax(logits / t)  # the policy at this temperature
+  truncates = ~greedy & ((top_k > 0) | (top_p < 1.0))
+  # sorting the vocabulary is the costly part on CPU: only a batch that truncates pays it
+  return jax.lax.cond(jnp.any(truncates), functools.partial(_sample_truncated, numerics=numerics),
+                      _sample_full, logp, keys, greedy, top_k, top_p)
+
+
+def _sample_full(logp, keys, greedy, top_k, top_p):
+  del top_k, top_p
+  drawn = jax.vmap(jax.random.categorical)(keys, logp)
+  tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), drawn).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _sample_truncated(logp, keys, greedy, top_k, top_p, *, numerics):
+  v = logp.shape[-1]
   order = jnp.argsort(-logp, axis=-1, stable=True)
   sorted_logp = jnp.take_along_axis(logp, order, axis=-1)
   rank = jnp.arange(v)[None, :]
@@ -51,7 +67,7 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   # dropping them would renormalise the behaviour log-prob away from the trainer's.
   mass_before = jnp.cumsum(numerics.exp(sorted_logp), axis=-1) - numerics.exp(sorted_logp)
   keep_sorted &= (top_p[:, None] >= 1.0) | (mass_before < top_p[:, None]) | (rank == 0)
-  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+  keep = jnp.zeros_like(keep_sorted).at[jnp.arange(len(order))[:, None], order].set(keep_sorted)
   truncated = jnp.where(keep, logp, NEG_INF)
   drawn = jax.vmap(jax.random.categorical)(keys, truncated)
   tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), drawn).astype(jnp.int32)

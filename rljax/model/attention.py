@@ -30,7 +30,8 @@ NEG = -1e30  # masked score; finite so that masked lanes never make NaN gradient
 class PagedKV:
   """The engine's KV cache: a page pool per layer and each row's page table.
 
-  k, v: [layers, num_pages, page_size, kv_heads, head_dim]; page 0 is the null page
+  k, v: [layers, num_pages, page_size, kv_heads, head_dim] values, or their raw bits
+  (`raw_dtype`; what the engine keeps); page 0 is the null page
   (table entries of unused blocks point at it, and writes of padding tokens land there).
   page_table: [batch, max_blocks] int32.
   """
@@ -44,25 +45,48 @@ class PagedKV:
     return self.k.shape[2]
 
 
+def raw_dtype(dtype) -> jnp.dtype:
+  """The unsigned integer type of the same width: how the engine stores its pools."""
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def as_values(x: jax.Array, dtype) -> jax.Array:
+  """Pool contents as `dtype` values (they may be stored as raw bits)."""
+  if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+    return lax.bitcast_convert_type(x, dtype)
+  return x.astype(dtype)
+
+
 def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array,
-                positions: jax.Array) -> jax.Array:
+                positions: jax.Array, layer: int | None = None) -> jax.Array:
   """Writes new[b, t] (one layer's [B, T, Hkv, D]) at its position's page slot.
 
+  `pool` is one layer's [num_pages, P, Hkv, D], or with `layer` the stack of all layers
+  [L, num_pages, P, Hkv, D] (written in place: no per-layer slice is copied out and back).
+  It holds values, or their raw bits (`raw_dtype`): XLA:CPU scatters into a bf16 array by
+  converting all of it to f32 and back, so the engine keeps its pools as bits.
   Tokens with a negative position (padding) are written to the null page.
   """
-  page_size = pool.shape[1]
+  page_size = pool.shape[-3]
   valid = positions >= 0
   pos = jnp.where(valid, positions, 0)
   pages = jnp.take_along_axis(page_table, pos // page_size, axis=1)
   pages = jnp.where(valid, pages, 0)
-  return pool.at[pages, pos % page_size].set(new.astype(pool.dtype))
+  index = (pages, pos % page_size) if layer is None else (layer, pages, pos % page_size)
+  if jnp.issubdtype(pool.dtype, jnp.unsignedinteger):
+    return pool.at[index].set(lax.bitcast_convert_type(new, pool.dtype))
+  return pool.at[index].set(new.astype(pool.dtype))
 
 
-def gather_blocks(pool: jax.Array, page_table: jax.Array) -> jax.Array:
-  """[num_pages, P, Hkv, D] x [B, NB] -> [B, NB * P, Hkv, D]."""
+def gather_blocks(pool: jax.Array, page_table: jax.Array, layer: int | None = None,
+                  dtype=None) -> jax.Array:
+  """[num_pages, P, Hkv, D] (or [L, ...] with `layer`) x [B, NB] -> [B, NB * P, Hkv, D]
+  (as `dtype` values when given; required for a pool of raw bits)."""
   b, nb = page_table.shape
-  blocks = pool[page_table]  # [B, NB, P, Hkv, D]
-  return blocks.reshape(b, nb * pool.shape[1], *pool.shape[2:])
+  blocks = pool[page_table] if layer is None else pool[layer, page_table]  # [B, NB, P, ...]
+  if dtype is not None:
+    blocks = as_values(blocks, dtype)
+  return blocks.reshape(b, nb * pool.shape[-3], *pool.shape[-2:])
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,

@@ -89,18 +89,19 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     kv_segs = None if segs is None else jnp.pad(segs, ((0, 0), (0, n - t)), constant_values=-1)
     new_pools = None
   else:  # engine: write this step's keys into the pages, then read the row's blocks
-    k_pool, v_pool, table = layer_kv
-    k_pool = attention.write_pages(k_pool, k, table, ctx["positions"])
-    v_pool = attention.write_pages(v_pool, v, table, ctx["positions"])
-    keys = attention.gather_blocks(k_pool, table)
-    values = attention.gather_blocks(v_pool, table)
+    k_pool, v_pool, table, layer = layer_kv  # all layers' pools, updated in place
+    k_pool = attention.write_pages(k_pool, k, table, ctx["positions"], layer)
+    v_pool = attention.write_pages(v_pool, v, table, ctx["positions"], layer)
+    keys = attention.gather_blocks(k_pool, table, layer, dtype=k.dtype)
+    values = attention.gather_blocks(v_pool, table, layer, dtype=v.dtype)
     q_index, segs, kv_segs = ctx["positions"], None, None
     new_pools = (k_pool, v_pool)
 
   if layer_kv is not None and t == 1 and _use_decode_kernel(cfg, numerics):
     from pallas_kernels import paged_attention as kernel  # pylint: disable=g-import-not-at-top
     lengths = jnp.maximum(ctx["positions"][:, 0] + 1, 0)
-    out = kernel.paged_attention(q[:, 0], new_pools[0], new_pools[1], layer_kv[2], lengths,
+    k_layer, v_layer = (attention.as_values(pool[layer], dt) for pool in new_pools)
+    out = kernel.paged_attention(q[:, 0], k_layer, v_layer, table, lengths,
                                  scale=hd ** -0.5,
                                  interpret=cfg.decode_attention == "pallas_interpret")[:, None]
   else:
@@ -179,19 +180,19 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   cos, sin = jnp.asarray(cos_table)[pos], jnp.asarray(sin_table)[pos]
 
   moe_layers = cfg.moe_layers()
-  routes, pools_k, pools_v = [], [], []
+  routes = []
+  pools = None if kv is None else (kv.k, kv.v)
   for i in range(cfg.num_hidden_layers):
     replay = None
     if routing is not None and i in moe_layers:
       replay = routing[:, :, moe_layers.index(i)]
-    layer_kv = None if kv is None else (kv.k[i], kv.v[i], kv.page_table)
+    layer_kv = None if kv is None else (*pools, kv.page_table, i)
     x, ids, new_pools = _run_layer(params["layers"][layer_name(i)], x, cos, sin,
                                    layer_kv, replay, ctx)
     if ids is not None:
       routes.append(ids)
     if new_pools is not None:
-      pools_k.append(new_pools[0])
-      pools_v.append(new_pools[1])
+      pools = new_pools
 
   x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, numerics)
   head = (params["embed"]["embedding"].T if cfg.tie_word_embeddings
@@ -202,8 +203,7 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
     logp = numerics.log_softmax(logits / temperature)
     logprobs = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     logits = None
-  new_kv = None if kv is None else attention.PagedKV(jnp.stack(pools_k), jnp.stack(pools_v),
-                                                      kv.page_table)
+  new_kv = None if kv is None else attention.PagedKV(*pools, kv.page_table)
   return ForwardOutput(logits=logits, logprobs=logprobs,
                        routing=jnp.stack(routes, axis=2) if routes else None, kv=new_kv)
 
