@@ -1,8 +1,8 @@
 """GRPO on 3-digit addition with a tiny Qwen3-MoE policy: the default learning run on CPU.
 
-SFT warm start on reference answers (constant lr after warmup) until greedy pass@1 on
-128 *train* probe tasks reaches 0.7, so GRPO starts from a comparable policy whatever the
-seed; GRPO (16 prompts x group 16, token-mean, clip-higher, TIS, router replay, lr 1e-4)
+SFT warm start on reference answers (constant lr after warmup, cut to 0.3x once the probe
+passes 0.5) until greedy pass@1 on 128 *train* probe tasks reaches 0.7, so GRPO starts
+from a comparable policy whatever the seed; GRPO (16 prompts x group 16, token-mean, clip-higher, TIS, router replay, lr 1e-4)
 then has to lift held-out greedy pass@1 to >= 0.8. `--config.numerics=deterministic` makes
 the trainer's log-probs bitwise the engine's (mismatch_max_abs 0.0)."""
 
@@ -33,7 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.load = ""  # an SFT checkpoint directory (<workdir>/sft_checkpoint) instead of SFT
   c.sft.steps = 2000  # at most: it stops once greedy pass@1 on train probe tasks >= target
   c.sft.target_pass1 = 0.7  # 0 = always run all steps
-  c.sft.probe_every = 50
+  c.sft.probe_every = 25
+  c.sft.slow_down_at = 0.5  # once the probe passes this, lr *= slow_down_factor: at the
+  c.sft.slow_down_factor = 0.3  # full rate the probe jumps 0.5 -> 0.85 between probes
   c.sft.probe_tasks = 128
   c.sft.batch_size = 64
   c.sft.microbatches = 1

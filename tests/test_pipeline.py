@@ -223,7 +223,15 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   run = sync.setup(config, str(tmp_path))
   rates = iter([0.1, 0.59, 0.6, 0.9])
   monkeypatch.setattr(sync, "success_rate", lambda groups: next(rates))
+  learning_rates = []  # the schedule of every optimizer built, read at step 100
+  make_optimizer = sync.learner.make_optimizer
+  monkeypatch.setattr(sync.learner, "make_optimizer", lambda lr, **kw: (
+      learning_rates.append(float(lr(100))), make_optimizer(lr, **kw))[1])
   out = sync.sft(run)
   assert out["sft_steps"] == 15 and out["sft_train_probe_pass1"] == 0.6
-  probes = [r for r in read_jsonl(run.log.jsonl_path) if r["phase"] == "sft_probe"]
-  assert [r["step"] for r in probes] == [5, 10, 15]
+  records = read_jsonl(run.log.jsonl_path)
+  assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 15]
+  # the probe passed slow_down_at (0.5) at step 10: from there the rate is cut
+  assert [r["step"] for r in records if r["phase"] == "sft_slow_down"] == [10]
+  np.testing.assert_allclose(learning_rates, [config.sft.learning_rate,
+                                              config.sft.learning_rate * 0.3], rtol=1e-6)
