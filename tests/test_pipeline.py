@@ -216,8 +216,8 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, moe_intermediate_size=16,
                            intermediate_size=32))
-  config.sft.update(dict(steps=50, probe_every=5, probe_tasks=4, batch_size=8,
-                         target_pass1=0.6))
+  config.sft.update(dict(steps=50, probe_every=5, probe_every_slow=2, probe_tasks=4,
+                         batch_size=8, target_pass1=0.6))
   config.eval.num_tasks = 4
   config.log.tensorboard = False
   run = sync.setup(config, str(tmp_path))
@@ -228,10 +228,11 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   monkeypatch.setattr(sync.learner, "make_optimizer", lambda lr, **kw: (
       learning_rates.append(float(lr(100))), make_optimizer(lr, **kw))[1])
   out = sync.sft(run)
-  assert out["sft_steps"] == 15 and out["sft_train_probe_pass1"] == 0.6
+  assert out["sft_steps"] == 12 and out["sft_train_probe_pass1"] == 0.6
   records = read_jsonl(run.log.jsonl_path)
-  assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 15]
-  # the probe passed slow_down_at (0.5) at step 10: from there the rate is cut
+  assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
+  # the probe passed slow_down_at (0.5) at step 10: from there the rate is cut and the
+  # probe runs every probe_every_slow steps
   assert [r["step"] for r in records if r["phase"] == "sft_slow_down"] == [10]
   np.testing.assert_allclose(learning_rates, [config.sft.learning_rate,
                                               config.sft.learning_rate * 0.3], rtol=1e-6)

@@ -153,9 +153,10 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
   greedy pass@1 on a probe set of *train* tasks reaches the target: when a warm start
   "works" varies a lot between seeds (a sharp transition), and GRPO should start from a
   comparable policy whatever the seed. Once the probe passes `sft.slow_down_at`, the
-  learning rate is multiplied by `sft.slow_down_factor`: at a high constant rate the
-  policy jumps across the transition (probe 0.5 -> 0.85 in 25 steps), so where it stops
-  would be luck. The held-out split is never looked at here.
+  learning rate is multiplied by `sft.slow_down_factor` and the probe runs every
+  `sft.probe_every_slow` steps: at a high constant rate, probed coarsely, the policy jumps
+  across the transition (probe 0.5 -> 0.85 in 25 steps), so where it stops would be luck.
+  The held-out split is never looked at here.
   """
   c = run.config.sft
   schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps,
@@ -183,7 +184,7 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
     state, metrics = step_fn(state, split_microbatches(batch, c.microbatches))
     if step % c.log_every == 0 or step == c.steps:
       run.log.write("sft", step, jax.device_get(metrics))
-    if probe and step % c.probe_every == 0:
+    if probe and step % (c.probe_every_slow if slowed else c.probe_every) == 0:
       run.engine.update_weights(run.serve(state), 0)
       probe_pass1 = success_rate(greedy_groups(run.engine, run.env, probe, seed=0,
                                                max_new_tokens=run.config.rl.max_new_tokens))
@@ -217,14 +218,31 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
   return LossConfig(**config.rl.loss.to_dict())
 
 
-def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
-         on_step: Callable[[dict], None] | None = None) -> dict:
-  """`rl.steps` synchronous GRPO steps; returns run totals."""
+@dataclasses.dataclass
+class GrpoLearner:
+  """The update half of GRPO, shared by the synchronous and the async loop."""
+
+  optimizer: optax.GradientTransformation
+  state: learner.TrainState
+  step_fn: Callable
+  advantages: Callable
+  state_sharding: learner.TrainState | None
+
+
+def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearner:
+  """The optimizer, train state (fresh from run.state's params, or `state`: a restored
+  one) and jitted step of `rl`."""
   c = run.config.rl
-  schedule = optax.linear_schedule(0.0, c.learning_rate, max(c.warmup_steps, 1))
+  if c.get("final_lr_frac", 1.0) == 1.0:
+    schedule = optax.linear_schedule(0.0, c.learning_rate, max(c.warmup_steps, 1))
+  else:  # cosine decay after the warmup: the policy at the last step is not a noisy one
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, c.learning_rate, max(c.warmup_steps, 1), max(c.steps, c.warmup_steps + 1),
+        end_value=c.learning_rate * c.final_lr_frac)
   optimizer = learner.make_optimizer(schedule, weight_decay=c.weight_decay,
                                      clip_norm=c.clip_norm, b2=c.adam_b2)
-  state = learner.init_state(run.state.params, optimizer)
+  if state is None:
+    state = learner.init_state(run.state.params, optimizer)
   state_sharding = None
   if run.sharding is not None:
     state_sharding = learner.state_shardings(run.cfg, optimizer, run.sharding)
@@ -235,9 +253,40 @@ def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
                                    state_sharding=state_sharding)
   advantages = jax.jit(functools.partial(group_advantages, kind=c.advantage,
                                          num_groups=c.prompts_per_step))
+  return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding)
+
+
+def train_on_groups(run: Run, grpo_state: GrpoLearner,
+                    groups: Sequence[Sequence[Trajectory]]) -> dict:
+  """One GRPO update on `rl.prompts_per_step` groups of `rl.group_size` scored episodes;
+  run.version advances. Returns the step's metrics (with advantage statistics)."""
+  c = run.config.rl
+  if len(groups) != c.prompts_per_step or any(len(g) != c.group_size for g in groups):
+    raise ValueError(f"an update takes {c.prompts_per_step} groups of {c.group_size}")
+  trajs = [t for g in groups for t in g]
+  rewards = np.array([t.reward for t in trajs], np.float32)
+  valid = np.array([t.outcome != Outcome.INFRA_FAILURE for t in trajs])
+  group_ids = np.repeat(np.arange(len(groups)), c.group_size)
+  adv, adv_stats = grpo_state.advantages(rewards, group_ids, valid)
+  batch = build_batch(trajs, np.asarray(adv), valid, with_routing=c.router_replay,
+                      **run.batch_shape(len(trajs)))
+  grpo_state.state, metrics = grpo_state.step_fn(
+      grpo_state.state, split_microbatches(batch, c.microbatches), run.version)
+  metrics = jax.device_get(metrics | adv_stats)
+  run.version += 1
+  run.state = grpo_state.state
+  run.mismatch_max_abs = max(run.mismatch_max_abs, float(metrics["mismatch_max_abs"]))
+  return metrics
+
+
+def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
+         on_step: Callable[[dict], None] | None = None) -> dict:
+  """`rl.steps` synchronous GRPO steps; returns run totals: rl_wall_s (the loop, evals
+  between steps included) and ttb_s (mean time-to-trainable-batch: a step's rollout)."""
+  start = time.perf_counter()
+  c = run.config.rl
+  grpo_state = grpo_learner(run)
   tasks = task_stream(run.env, c.num_tasks, run.config.seed)
-  num_seqs = c.prompts_per_step * c.group_size
-  shape = run.batch_shape(num_seqs)
   sampling = SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
                             max_new_tokens=c.max_new_tokens)
   e = run.config.eval
@@ -249,18 +298,9 @@ def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
                              first_request_id=(step - 1) * c.prompts_per_step)
     trajs = [t for g in groups for t in g.trajectories]
     t1 = time.perf_counter()
-    rewards = np.array([t.reward for t in trajs], np.float32)
-    valid = np.array([t.outcome != Outcome.INFRA_FAILURE for t in trajs])
-    group_ids = np.repeat(np.arange(len(groups)), c.group_size)
-    adv, adv_stats = advantages(rewards, group_ids, valid)
-    batch = build_batch(trajs, np.asarray(adv), valid, with_routing=c.router_replay, **shape)
-    state, metrics = step_fn(state, split_microbatches(batch, c.microbatches))
-    metrics = jax.device_get(metrics | adv_stats)
+    metrics = train_on_groups(run, grpo_state, [g.trajectories for g in groups])
     t2 = time.perf_counter()
-    run.version += 1
-    run.state = state
-    run.engine.update_weights(run.serve(state), run.version)
-    run.mismatch_max_abs = max(run.mismatch_max_abs, float(metrics["mismatch_max_abs"]))
+    run.engine.update_weights(run.serve(run.state), run.version)
     run.timings["rollout_s"] += t1 - t0
     run.timings["train_s"] += t2 - t1
     counts = outcome_counts(groups)
@@ -274,8 +314,8 @@ def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
       on_step(record)
     if e.every and step % e.every == 0 and step != c.steps:
       run_eval(run, run.version, f"step{step}")
-  run.state = state
-  return {"steps": c.steps}
+  return {"steps": c.steps, "rl_wall_s": round(time.perf_counter() - start, 2),
+          "ttb_s": round(run.timings["rollout_s"] / max(c.steps, 1), 3)}
 
 
 def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> dict:
@@ -306,6 +346,10 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   """The whole synchronous experiment; returns the summary (also the last JSONL record)."""
   t0 = time.perf_counter()
   bar = progress or (lambda it, **_: iter(it))
+  sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
+  if not config.sft.load and config.sft.steps and os.path.exists(sft_dir):
+    raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir, or "
+                          f"--config.sft.load={sft_dir} to start from it")
   run = setup(config, workdir)
   evals = [run_eval(run, 0, "init")]
   extra: dict[str, Any] = {}
@@ -314,9 +358,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     extra["sft_loaded_from"] = config.sft.load
   elif config.sft.steps:
     extra |= sft(run, functools.partial(bar, desc="sft"))
-    save_params(run, os.path.join(os.path.abspath(workdir), "sft_checkpoint"))
+    save_params(run, sft_dir)
   evals.append(run_eval(run, 0, "before"))
-  grpo(run, functools.partial(bar, desc="grpo"))
+  extra |= grpo(run, functools.partial(bar, desc="grpo"))
   evals.append(run_eval(run, run.version, "after"))
   summary = summarize(run, evals, time.perf_counter() - t0, extra)
   run.log.write("summary", run.version, {k: v for k, v in summary.items()

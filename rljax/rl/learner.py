@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from rljax import sharding as sharding_lib
@@ -63,8 +64,8 @@ def serving_params(state: TrainState, cfg: ModelConfig) -> Any:
   return jax.tree.map(lambda x: x.astype(cfg.param_dtype), state.params)
 
 
-def _grpo_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, loss_cfg, replay,
-                          sharding, temperature, denominator):
+def _grpo_microbatch_loss(params, mb: TrainBatch, current_version, *, cfg, numerics,
+                          loss_cfg, replay, sharding, temperature, denominator):
   # f32 masters go in: every use casts to the compute dtype (the serving params' bits) and
   # the gradients come back in f32 (rljax.numerics.matmul)
   out = forward(params, mb.tokens, mb.positions, cfg=cfg, numerics=numerics,
@@ -74,6 +75,8 @@ def _grpo_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, loss_cfg, re
                               mb.loss_mask, cfg=loss_cfg, valid=mb.valid, seq_ids=mb.seq_ids,
                               num_seqs=mb.advantages.shape[0], loss_denominator=denominator)
   on = mb.loss_mask & (mb.seq_ids >= 0)
+  # only tokens sampled with the weights trained on now (-1: every token)
+  on &= (current_version < 0) | (mb.versions == current_version)
   metrics["mismatch_max_abs"] = jnp.max(jnp.where(on, jnp.abs(
       out.logprobs - mb.behaviour_logprobs), 0.0))
   return loss, metrics
@@ -116,23 +119,33 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    numerics: Numerics, loss_cfg: LossConfig, replay: bool = True,
                    temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
                    state_sharding: TrainState | None = None):
-  """Jitted `(state, microbatches) -> (state, metrics)`; the state is donated.
+  """Jitted `(state, microbatches[, current_version]) -> (state, metrics)`; the state is
+  donated.
 
   `microbatches` is a TrainBatch whose leaves carry a leading microbatch axis
   (`split_microbatches`). The token-mean denominator is the whole batch's loss-token count.
+  `current_version` (the version of the params in `state`; -1 = unknown) limits
+  `mismatch_max_abs` to the tokens that version sampled: in an async run older tokens
+  differ by design (their behaviour is another policy).
   """
-  def step(state: TrainState, batches: TrainBatch):
+  def step(state: TrainState, batches: TrainBatch, current_version):
     denominator = jnp.maximum(jnp.sum(batches.loss_mask & (batches.seq_ids >= 0)), 1)
     if loss_cfg.aggregation != "token_mean":
       denominator = None  # sequence means per microbatch, summed (one microbatch = exact)
-    loss_fn = functools.partial(_grpo_microbatch_loss, cfg=cfg, numerics=numerics,
-                                loss_cfg=loss_cfg, replay=replay, sharding=sharding,
-                                temperature=temperature, denominator=denominator)
+    loss_fn = functools.partial(_grpo_microbatch_loss, current_version=current_version,
+                                cfg=cfg, numerics=numerics, loss_cfg=loss_cfg, replay=replay,
+                                sharding=sharding, temperature=temperature,
+                                denominator=denominator)
     return _apply(state, optimizer, loss_fn, batches)
 
-  return jax.jit(step, donate_argnums=(0,),
-                 in_shardings=None if state_sharding is None else (state_sharding, None),
-                 out_shardings=None if state_sharding is None else (state_sharding, None))
+  jitted = jax.jit(step, donate_argnums=(0,),
+                   in_shardings=None if state_sharding is None else (state_sharding, None, None),
+                   out_shardings=None if state_sharding is None else (state_sharding, None))
+
+  def run(state: TrainState, batches: TrainBatch, current_version: int = -1):
+    return jitted(state, batches, np.int32(current_version))
+
+  return run
 
 
 def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
