@@ -2,8 +2,9 @@
 
 SFT warm start on reference answers (constant lr after warmup, cut to 0.3x once the probe
 passes 0.5) until greedy pass@1 on 128 *train* probe tasks reaches 0.7, so GRPO starts
-from a comparable policy whatever the seed; GRPO (16 prompts x group 16, token-mean, clip-higher, TIS, router replay, lr 1e-4)
-then has to lift held-out greedy pass@1 to >= 0.8. `--config.numerics=deterministic` makes
+from a comparable policy whatever the seed; GRPO (16 prompts x group 16, token-mean,
+clip-higher, TIS, router replay, lr 2e-4 cosine-decayed) then has to lift held-out greedy
+pass@1 to >= 0.8. `--config.numerics=deterministic` makes
 the trainer's log-probs bitwise the engine's (mismatch_max_abs 0.0)."""
 
 import ml_collections
@@ -27,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.name = "arithmetic"
   c.env.kwargs = ml_collections.ConfigDict(dict(min_digits=3, max_digits=3, ops=("+",),
                                                 held_out_fraction=0.1))
+  # injected verifier latency (rljax.envs.LatencyModel; off): e.g. a long-tailed sandbox,
+  # --config.env.kwargs.latency.distribution=lognormal --config.env.kwargs.latency.scale_s=0.05
+  c.env.kwargs.latency = ml_collections.ConfigDict(dict(distribution="none", scale_s=0.0,
+                                                        shape=1.0, cap_s=5.0, seed=0))
   c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=16))
 
   c.sft = ml_collections.ConfigDict()
@@ -34,8 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.steps = 2000  # at most: it stops once greedy pass@1 on train probe tasks >= target
   c.sft.target_pass1 = 0.7  # 0 = always run all steps
   c.sft.probe_every = 25
-  c.sft.slow_down_at = 0.5  # once the probe passes this, lr *= slow_down_factor: at the
-  c.sft.slow_down_factor = 0.3  # full rate the probe jumps 0.5 -> 0.85 between probes
+  c.sft.slow_down_at = 0.5  # once the probe passes this, lr *= slow_down_factor and the
+  c.sft.slow_down_factor = 0.3  # probe runs every probe_every_slow steps: at the full rate
+  c.sft.probe_every_slow = 10  # the probe jumped 0.5 -> 0.85 between two probes
   c.sft.probe_tasks = 128
   c.sft.batch_size = 64
   c.sft.microbatches = 1
@@ -56,8 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.top_k = 0
   c.rl.top_p = 1.0
   c.rl.advantage = "grpo"
-  c.rl.learning_rate = 1e-4
+  c.rl.learning_rate = 2e-4
   c.rl.warmup_steps = 20
+  c.rl.final_lr_frac = 0.05  # < 1: cosine decay to learning_rate * final_lr_frac at rl.steps
   c.rl.adam_b2 = 0.999
   c.rl.weight_decay = 0.0
   c.rl.clip_norm = 1.0
@@ -71,4 +78,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(num_tasks=256, k=8, n=8, temperature=1.0, seed=0,
                                           every=100))
   c.log = ml_collections.ConfigDict(dict(tensorboard=True))
+  # the async pipeline (rollout hosts + trainer sharing a storage root)
+  c.async_rl = ml_collections.ConfigDict(dict(hosts=2, host_groups=8, max_staleness=2,
+                                              lease_s=120.0, lease_ttl_s=15.0, poll_s=0.02,
+                                              keyframe_every=10, checkpoint_every=50,
+                                              check_versions=False, weight_update="keep",
+                                              batch_timeout_s=600.0))
+  # check_versions: the trainer recomputes each token's log-prob with the weights of the
+  # version that sampled it (0.0 in deterministic mode with weight_update="recompute":
+  # hosts then recompute running sequences' KV when new weights arrive)
   return c

@@ -22,8 +22,11 @@ ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv)}
 
 
 def make(name: str, **kwargs) -> BaseEnv:
+  """ENVS[name](**kwargs); a `latency` given as a dict (a config's) becomes a LatencyModel."""
   if name not in ENVS:
     raise ValueError(f"unknown env {name!r}; known: {sorted(ENVS)}")
+  if isinstance(kwargs.get("latency"), dict):
+    kwargs["latency"] = LatencyModel(**kwargs["latency"])
   return ENVS[name](**kwargs)
 
 

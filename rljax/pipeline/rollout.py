@@ -9,11 +9,20 @@ The episode is one growing sequence; its final Trajectory carries every turn's t
 with observations off the loss mask. This is `rljax.envs.rollout`'s protocol, batched.
 
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
-`step` or `verify` makes the sample an infra failure (no gradient, no baseline).
+`step` or `verify` makes the sample an infra failure (no gradient, no baseline). Env calls
+run on worker threads while the engine decodes the other samples: a slow sandbox (see
+`rljax.envs.LatencyModel`) holds up its own sample, not the batch.
+
+`EpisodeRunner` is the incremental form (the async rollout host adds groups while others
+are decoding): `add` submits a group, each `step` is one `engine.step()` and returns the
+groups that became complete by then. `generate_groups` is the batch form on top of it. The
+sampling key of every token is (seed, request id, sample index, position), so a group's
+tokens depend on its request id, never on what else the engine runs beside it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Sequence
 
@@ -23,11 +32,14 @@ from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.envs.base import Env, MultiTurnEnv, Task, Verdict, safe_step, safe_verify
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
+_MAX_REQUEST_ID = 2**31 - 1  # request ids enter the sampling keys as int32
+
 
 @dataclasses.dataclass
 class Group:
   task: Task
   trajectories: list[Trajectory]
+  request_id: int = -1
 
   @property
   def rewards(self) -> np.ndarray:
@@ -38,61 +50,172 @@ def is_multi_turn(env: Env) -> bool:
   return env.max_turns > 1 and isinstance(env, MultiTurnEnv)
 
 
+@dataclasses.dataclass
+class _Pending:
+  task: Task
+  group_size: int
+  done: dict[int, Trajectory] = dataclasses.field(default_factory=dict)  # by sample index
+
+
+class EpisodeRunner:
+  """Runs groups of episodes on `engine`, which must carry only this runner's work.
+
+  `add` one group per request id (each id at most once while it runs), `step` until
+  `idle`. Env calls (`verify`, multi-turn `step`) run on a pool of `env_workers` threads
+  while the engine keeps decoding, so a slow sandbox delays its own sample only; the
+  engine itself is driven from the caller's thread (not thread-safe: one loop drives the
+  engine and the runner).
+  """
+
+  def __init__(self, engine: DecodeEngine, env: Env, *, sampling: SamplingParams, seed: int,
+               timeout_s: float = 10.0, env_workers: int = 64):
+    if engine.eos_id != env.tokenizer.eos_id:
+      raise ValueError(f"engine eos_id {engine.eos_id} != the env tokenizer's "
+                       f"{env.tokenizer.eos_id}")
+    if env_workers < 1:
+      raise ValueError(f"env_workers must be >= 1, got {env_workers}")
+    self.engine, self.env, self.seed, self.timeout_s = engine, env, seed, timeout_s
+    self.multi = is_multi_turn(env)
+    stops = tuple(t for t in env.stop_ids if t != env.tokenizer.eos_id)
+    self.sampling = dataclasses.replace(sampling,
+                                        stop_tokens=tuple(sampling.stop_tokens) + stops)
+    self._pending: dict[int, _Pending] = {}
+    self._turn_start: dict[tuple[int, int], int] = {}  # completion length when a turn began
+    self._calls = concurrent.futures.ThreadPoolExecutor(env_workers,
+                                                        thread_name_prefix="rljax-env")
+    # env calls in flight: future -> (trajectory, "verify" | "step")
+    self._in_env: dict[concurrent.futures.Future, tuple[Trajectory, str]] = {}
+
+  @property
+  def busy(self) -> bool:
+    """Some added group is not complete yet."""
+    return bool(self._pending)
+
+  @property
+  def idle(self) -> bool:
+    return not self._pending
+
+  @property
+  def running(self) -> list[int]:
+    """Request ids of the groups not complete yet, in the order they were added."""
+    return list(self._pending)
+
+  def close(self) -> None:
+    """Stops the env-call threads (waits for calls in flight)."""
+    self._calls.shutdown(wait=True)
+
+  def add(self, request_id: int, task: Task, group_size: int) -> None:
+    """Submits one engine request: `group_size` samples of `task` (group id = request id)."""
+    if (not isinstance(request_id, (int, np.integer)) or isinstance(request_id, bool)
+        or not 0 <= request_id <= _MAX_REQUEST_ID):
+      raise ValueError(f"request id {request_id!r} is not an int in [0, 2**31)")
+    if request_id in self._pending:
+      raise ValueError(f"request {request_id} is already running")
+    if not isinstance(group_size, (int, np.integer)) or group_size < 1:
+      raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    request_id = int(request_id)
+    self.engine.submit(Request(request_id, task.prompt_ids, n=int(group_size),
+                               sampling=self.sampling, seed=self.seed, group_id=request_id,
+                               keep_pages=self.multi))
+    self._pending[request_id] = _Pending(task, int(group_size))
+
+  def step(self) -> list[Group]:
+    """One `engine.step()` (when the engine has work), then the env calls that returned;
+    returns the groups completed (trajectories in sample order), in the order their last
+    samples finished. With only env calls outstanding it waits for one (<= 50 ms)."""
+    if not self._pending:
+      return []
+    if not self.engine.idle:
+      for traj in self.engine.step():
+        if traj.request_id not in self._pending:
+          raise RuntimeError(f"request {traj.request_id} is not this runner's: the engine "
+                             "must carry only the runner's work")
+        self._turn_ended(traj)
+    elif not self._in_env:
+      raise RuntimeError(f"the engine is idle but requests {self.running} are incomplete")
+    else:
+      concurrent.futures.wait(self._in_env, timeout=0.05,
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+    completed = []
+    for future in [f for f in self._in_env if f.done()]:
+      traj, kind = self._in_env.pop(future)
+      if kind == "step":
+        self._after_env_step(traj, future.result())
+        continue
+      verdict = future.result()
+      traj.reward, traj.outcome = float(verdict.reward), verdict.outcome
+      pending = self._pending[traj.request_id]
+      pending.done[traj.sample_index] = traj
+      if len(pending.done) == pending.group_size:
+        del self._pending[traj.request_id]
+        completed.append(Group(pending.task, [pending.done[i] for i in range(pending.group_size)],
+                               traj.request_id))
+    return completed
+
+  def _env_call(self, traj: Trajectory, kind: str, fn) -> None:
+    self._in_env[self._calls.submit(fn)] = (traj, kind)
+
+  def _verify(self, traj: Trajectory) -> None:
+    task = self._pending[traj.request_id].task
+    self._env_call(traj, "verify", lambda: safe_verify(self.env, task, traj.completion_ids,
+                                                       timeout_s=self.timeout_s))
+
+  def _turn_ended(self, traj: Trajectory) -> None:
+    """A sample stopped: verify it, or (multi-turn) ask the env for the next observation."""
+    if not self.multi:
+      self._verify(traj)
+      return
+    key = (traj.request_id, traj.sample_index)
+    start = self._turn_start.pop(key, 0)
+    if traj.finish_reason == FinishReason.LENGTH and len(traj.tokens) >= self.engine.max_seq_len:
+      self._end_episode(traj, None)  # the sequence is full: no further turn
+      return
+    task = self._pending[traj.request_id].task
+    history, action = traj.completion_ids[:start], traj.completion_ids[start:]
+    self._env_call(traj, "step", lambda: safe_step(self.env, task, history, action,
+                                                   timeout_s=self.timeout_s))
+
+  def _after_env_step(self, traj: Trajectory, result) -> None:
+    if result.error is None and not result.done:
+      obs = np.asarray(result.observation_ids, np.int32)
+      room = self.engine.max_seq_len - len(traj.tokens) - len(obs)
+      if room >= 1:
+        self.engine.extend(traj.request_id, traj.sample_index, obs,
+                           min(self.sampling.max_new_tokens, room))
+        self._turn_start[(traj.request_id, traj.sample_index)] = (len(traj.completion_ids)
+                                                                  + len(obs))
+        return
+    self._end_episode(traj, result)
+
+  def _end_episode(self, traj: Trajectory, result) -> None:
+    self.engine.release(traj.request_id, traj.sample_index)
+    if result is not None and result.error is not None:
+      verdict = Verdict.infra_failure("step failed", error=result.error)
+      done = concurrent.futures.Future()
+      done.set_result(verdict)
+      self._in_env[done] = (traj, "verify")
+      return
+    self._verify(traj)
+
+
 def generate_groups(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, group_size: int,
                     sampling: SamplingParams, seed: int, first_request_id: int = 0,
                     timeout_s: float = 10.0) -> list[Group]:
   """Samples `group_size` episodes per task; returns the groups in task order, each with
   its trajectories in sample order. Request ids are first_request_id + task index."""
-  if engine.eos_id != env.tokenizer.eos_id:
-    raise ValueError(f"engine eos_id {engine.eos_id} != the env tokenizer's "
-                     f"{env.tokenizer.eos_id}")
+  runner = EpisodeRunner(engine, env, sampling=sampling, seed=seed, timeout_s=timeout_s)
   if not engine.idle:
     raise ValueError("the engine has unfinished work; generate_groups needs it idle")
-  multi = is_multi_turn(env)
-  stops = tuple(t for t in env.stop_ids if t != env.tokenizer.eos_id)
-  sampling = dataclasses.replace(sampling, stop_tokens=tuple(sampling.stop_tokens) + stops)
-  by_request = {first_request_id + i: task for i, task in enumerate(tasks)}
-  for rid, task in by_request.items():
-    engine.submit(Request(rid, task.prompt_ids, n=group_size, sampling=sampling, seed=seed,
-                          group_id=rid, keep_pages=multi))
-  done: dict[tuple[int, int], Trajectory] = {}
-  turn_start: dict[tuple[int, int], int] = {}  # completion length when the turn began
-  while not engine.idle:
-    for traj in engine.step():
-      key = (traj.request_id, traj.sample_index)
-      task = by_request[traj.request_id]
-      if multi:
-        verdict = _end_of_turn(engine, env, task, traj, turn_start, sampling, timeout_s)
-        if verdict is None:
-          continue  # the episode goes on
-      else:
-        verdict = safe_verify(env, task, traj.completion_ids, timeout_s=timeout_s)
-      traj.reward, traj.outcome = float(verdict.reward), verdict.outcome
-      done[key] = traj
-  return [Group(task, [done[(rid, i)] for i in range(group_size)])
-          for rid, task in by_request.items()]
-
-
-def _end_of_turn(engine: DecodeEngine, env: MultiTurnEnv, task: Task, traj: Trajectory,
-                 turn_start: dict, sampling: SamplingParams, timeout_s: float) -> Verdict | None:
-  """Steps the env on the turn that just ended; None while the episode continues."""
-  key = (traj.request_id, traj.sample_index)
-  start = turn_start.get(key, 0)
-  history, action = traj.completion_ids[:start], traj.completion_ids[start:]
-  result = None
-  if traj.finish_reason != FinishReason.LENGTH or len(traj.tokens) < engine.max_seq_len:
-    result = safe_step(env, task, history, action, timeout_s=timeout_s)
-  if result is not None and result.error is None and not result.done:
-    obs = np.asarray(result.observation_ids, np.int32)
-    room = engine.max_seq_len - len(traj.tokens) - len(obs)
-    if room >= 1:
-      engine.extend(traj.request_id, traj.sample_index, obs, min(sampling.max_new_tokens, room))
-      turn_start[key] = len(traj.completion_ids) + len(obs)
-      return None
-  engine.release(traj.request_id, traj.sample_index)
-  if result is not None and result.error is not None:
-    return Verdict.infra_failure("step failed", error=result.error)
-  return safe_verify(env, task, traj.completion_ids, timeout_s=timeout_s)
+  for i, task in enumerate(tasks):
+    runner.add(first_request_id + i, task, group_size)
+  done: dict[int, Group] = {}
+  try:
+    while runner.busy:
+      for group in runner.step():
+        done[group.request_id] = group
+  finally:
+    runner.close()
+  return [done[first_request_id + i] for i in range(len(tasks))]
 
 
 def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:

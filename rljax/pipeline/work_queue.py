@@ -429,6 +429,10 @@ class QueueOwner:
     self._counts["dropped"] += 1
     self.dropped_reasons[reason] = self.dropped_reasons.get(reason, 0) + 1
 
+  def is_finalized(self, group_id: int) -> bool:
+    """Trained or dropped (as of this process's memory)."""
+    return group_id in self._final
+
   def accounting(self) -> dict[str, int]:
     """submitted = trained + dropped + pending + leased + ready."""
     ready = sum(1 for g in self._groups.values() if g.status == READY)

@@ -1,0 +1,307 @@
+"""Rollout hosts of the async pipeline: incremental episodes, a host serving the work queue
+from a storage root (weights in, bitwise groups out, version stamps, revoked leases,
+run/done), and experiments/rollout_host.py as a real process on a file:// root."""
+
+import rljax  # noqa: F401  (XLA flags first)
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from rljax import envs
+from rljax.engine.engine import DecodeEngine
+from rljax.model import ModelConfig, init_params
+from rljax.numerics import Numerics
+from rljax.pipeline import wire
+from rljax.pipeline.host import (DONE_KEY, RolloutHost, RunOver, sampling_params, status_key,
+                                 stream_url)
+from rljax.pipeline.rollout import EpisodeRunner, generate_groups
+from rljax.pipeline.work_queue import QueueClient, QueueConfig, QueueOwner
+from rljax.sync import Publisher, Store
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
+GROUP = 4
+
+
+class Clock:
+  """A fake wall clock that moves 1 ms per reading (so polling intervals pass)."""
+
+  def __init__(self, t: float = 1000.0):
+    self.t = t
+
+  def __call__(self) -> float:
+    self.t += 1e-3
+    return self.t
+
+
+def small_config():
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.model.update(SMALL_MODEL)
+  config.numerics = "deterministic"
+  config.engine.num_slots = 8
+  config.async_rl.poll_s = 1e-6  # every run_once reads storage (tests interleave the owner)
+  return config
+
+
+def params_of(config, seed: int):
+  cfg = ModelConfig.from_dict(config.model.to_dict())
+  params = init_params(cfg, jax.random.key(seed), "float32")
+  return cfg, jax.tree.map(lambda x: np.asarray(x.astype("bfloat16")), params)
+
+
+def reference_groups(config, cfg, params, env, tasks, first_id: int, version: int = 0):
+  """What generate_groups gives on a fresh engine for these request ids."""
+  eng = DecodeEngine(cfg, jax.tree.map(jax.numpy.asarray, params),
+                     numerics=Numerics(config.numerics), num_slots=config.engine.num_slots,
+                     max_seq_len=config.engine.max_seq_len, eos_id=env.tokenizer.eos_id,
+                     version=version)
+  return generate_groups(eng, env, tasks, group_size=GROUP, sampling=sampling_params(config),
+                         seed=config.seed, first_request_id=first_id)
+
+
+def assert_same_group(got, want) -> None:
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    assert (a.sample_index, a.group_id, a.finish_reason, a.outcome) == (
+        b.sample_index, b.group_id, b.finish_reason, b.outcome)
+    assert a.reward == b.reward
+    chex.assert_trees_all_equal(a.tokens, b.tokens)
+    chex.assert_trees_all_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    chex.assert_trees_all_equal(a.versions, b.versions)
+    chex.assert_trees_all_equal(a.loss_mask, b.loss_mask)
+    chex.assert_trees_all_equal(a.expert_ids, b.expert_ids)
+
+
+def serve_until(host, owner, ids, max_iters=200) -> dict:
+  """Interleaves host iterations and owner steps until every group in `ids` is ready."""
+  ready = {}
+  for _ in range(max_iters):
+    assert host.run_once()
+    owner.step()
+    ready |= {r.group_id: r for r in owner.ready()}
+    if set(ids) <= set(ready):
+      return ready
+  raise AssertionError(f"groups {sorted(set(ids) - set(ready))} never came back")
+
+
+def test_episode_runner_adds_groups_while_others_run(tiny_cfg, tiny_params):
+  # a group added mid-flight samples the same tokens as in one batch: keys are per request
+  env = envs.ArithmeticEnv(max_digits=2)
+  tasks = env.prompts("train", 3, seed=0)
+  sp = sampling_params(small_config())
+  make = lambda: DecodeEngine(tiny_cfg, tiny_params, numerics=Numerics("deterministic"),
+                              num_slots=4, max_seq_len=32, eos_id=env.tokenizer.eos_id,
+                              steps_per_call=2)
+  want = generate_groups(make(), env, tasks, group_size=3, sampling=sp, seed=7,
+                         first_request_id=5)
+  runner = EpisodeRunner(make(), env, sampling=sp, seed=7)
+  runner.add(5, tasks[0], 3)
+  got = runner.step()
+  assert runner.busy and not runner.idle and runner.running == [5]
+  runner.add(7, tasks[2], 3)
+  runner.add(6, tasks[1], 3)
+  while runner.busy:
+    got += runner.step()
+  assert runner.idle and runner.engine.idle and runner.engine.pool.used_count == 0
+  assert sorted(g.request_id for g in got) == [5, 6, 7]
+  for g in got:
+    assert g.task is tasks[g.request_id - 5]
+    assert_same_group(g.trajectories, want[g.request_id - 5].trajectories)
+  with pytest.raises(ValueError, match="already running"):
+    runner.add(8, tasks[0], 3)
+    runner.add(8, tasks[0], 3)
+  for bad in (-1, 2**31, 1.5, True):
+    with pytest.raises(ValueError, match="request id"):
+      runner.add(bad, tasks[0], 3)
+  with pytest.raises(ValueError, match="group_size"):
+    runner.add(9, tasks[0], 0)
+
+
+def test_env_calls_run_beside_the_engine_and_change_nothing(tiny_cfg, tiny_params):
+  # every verify sleeps 0.25 s: 16 samples verified one after another would take 4 s;
+  # on the runner's env threads they overlap, and the groups are the same as without delay
+  slow = envs.ArithmeticEnv(max_digits=2, latency=envs.LatencyModel(
+      "lognormal", scale_s=0.25, shape=1e-6))
+  fast = envs.ArithmeticEnv(max_digits=2)
+  tasks = fast.prompts("train", 4, seed=0)
+  sp = sampling_params(small_config())
+  make = lambda: DecodeEngine(tiny_cfg, tiny_params, numerics=Numerics("deterministic"),
+                              num_slots=16, max_seq_len=32, eos_id=fast.tokenizer.eos_id)
+  want = generate_groups(make(), fast, tasks, group_size=4, sampling=sp, seed=3)
+  engine = make()
+  generate_groups(engine, fast, tasks, group_size=4, sampling=sp, seed=3)  # compile
+  t0 = time.perf_counter()
+  got = generate_groups(engine, slow, tasks, group_size=4, sampling=sp, seed=3)
+  assert time.perf_counter() - t0 < 2.0
+  for g, w in zip(got, want):
+    assert_same_group(g.trajectories, w.trajectories)
+  with pytest.raises(ValueError, match="env_workers"):
+    EpisodeRunner(make(), fast, sampling=sp, seed=0, env_workers=0)
+
+
+def test_host_serves_the_queue_bitwise_follows_the_stream_and_stops_on_done():
+  config = small_config()
+  cfg, p0 = params_of(config, 0)
+  _, p1 = params_of(config, 1)
+  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+  ctx, root = ts.Context(), "memory://"  # one context: both sides see one memory kvstore
+  store = Store.open(root, ctx)
+  pub = Publisher(Store.open(stream_url(root), ctx), keyframe_every=10)
+  pub.publish(p0, 0)
+  owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=120.0,
+                                             lease_ttl_s=15.0))
+  tasks = env.prompts("train", 6, seed=3)
+  owner.submit([(10 + i, wire.task_to_payload(t), GROUP) for i, t in enumerate(tasks[:3])])
+  host = RolloutHost(root, config, "h0", context=ctx)
+  assert host.engine.version == 0 and host.applied[0][0] == 0
+
+  ready = serve_until(host, owner, [10, 11, 12])
+  want = reference_groups(config, cfg, p0, env, tasks[:3], first_id=10)
+  for i, gid in enumerate([10, 11, 12]):
+    r = ready[gid]
+    assert r.host_id == "h0" and r.meta["host_id"] == "h0"
+    assert r.meta["versions_min"] == r.meta["versions_max"] == 0
+    got = wire.group_from_arrays(r.arrays, gid)
+    assert_same_group(got, want[i].trajectories)
+    assert r.meta["tokens"] == sum(int(t.loss_mask.sum()) for t in got)
+    owner.mark_trained(gid)
+
+  # version 1 arrives: the engine takes the subscriber's (donated, in-place) arrays at once
+  pub.publish(p1, 1)
+  owner.submit([(20 + i, wire.task_to_payload(t), GROUP) for i, t in enumerate(tasks[3:])])
+  ready = serve_until(host, owner, [20, 21, 22])
+  assert host.engine.version == 1 and [a[0] for a in host.applied] == [0, 1]
+  assert all(x is y for x, y in zip(jax.tree.leaves(host.engine.params),
+                                    jax.tree.leaves(host.sub.params)))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(host.engine.params))
+  want = reference_groups(config, cfg, p1, env, tasks[3:], first_id=20, version=1)
+  for i, gid in enumerate([20, 21, 22]):
+    got = wire.group_from_arrays(ready[gid].arrays, gid)
+    assert all(np.all(t.versions[t.loss_mask] == 1) for t in got)
+    assert_same_group(got, want[i].trajectories)
+
+  store.write(DONE_KEY, b"done")
+  t0 = time.monotonic()
+  assert host.run(max_seconds=30) == "done"
+  assert time.monotonic() - t0 < 5 and not host.run_once()
+  status = json.loads(store.read(status_key("h0")))
+  assert status["host_id"] == "h0" and status["incarnation"] == host.client.incarnation
+  assert [a[0] for a in status["applied"]] == [0, 1]
+  published = [json.loads(Store.open(stream_url(root), ctx).read(f"manifests/{v:012d}.json"))
+               ["created_unix"] for v in (0, 1)]
+  assert [a[1] for a in status["applied"]] == published
+  assert all(a[2] >= a[1] and a[3] >= 0 for a in status["applied"])
+  assert status["groups_pushed"] == 6 and status["tokens_generated"] > 0
+  assert status["generate_s"] > 0
+  request = json.loads(store.read("queue/hosts/h0/request.json"))
+  assert request["want"] == 0  # withdrawn on exit
+
+
+def test_revoked_lease_is_not_pushed_and_a_regrant_reuses_the_running_group():
+  config = small_config()
+  config.async_rl.weight_update = "recompute"
+  _, p0 = params_of(config, 0)
+  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+  ctx, root = ts.Context(), "memory://run"
+  store = Store.open(root, ctx)
+  Publisher(Store.open(stream_url(root), ctx)).publish(p0, 0)
+  now = Clock()
+  owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=10.0,
+                                             lease_ttl_s=1e9), clock=now)
+  host = RolloutHost(root, config, "h0", context=ctx, clock=now)
+  assert host.engine.weight_update == "recompute"
+  other = QueueClient(store, "h1", clock=now)
+  tasks = env.prompts("train", 2, seed=5)
+  owner.submit([(0, wire.task_to_payload(tasks[0]), GROUP)])
+  host.client.request(1)
+  owner.step()
+  host._take_grants()  # noqa: SLF001  (leased and running, not yet decoded)
+  assert host.runner.running == [0]
+  # the lease expires; only h0 asks for work, so the group comes back to h0: the
+  # running group serves the new lease
+  now.t += 11.0
+  host.client.request(1)
+  assert owner.step().expired == 1
+  ready = serve_until(host, owner, [0])
+  assert ready[0].attempts == 2 and ready[0].lease_id == 2
+  # expired again, this time re-granted to another host: h0's result is dropped unsent
+  owner.submit([(1, wire.task_to_payload(tasks[1]), GROUP)])
+  owner.step()
+  host._take_grants()  # noqa: SLF001
+  other.request(1)
+  now.t += 11.0
+  owner.step()
+  other.poll_lease()
+  assert [g.group_id for g in other.held.values()] == [1]
+  while host.runner.busy:
+    host.run_once()
+  assert host.counts["groups_discarded"] == 1 and host.counts["groups_pushed"] == 1
+  assert store.list("queue/hosts/h0/results/") == ["queue/hosts/h0/results/000000000002.npz"]
+
+
+def test_host_input_errors(tmp_path):
+  config = small_config()
+  with pytest.raises(ValueError, match="store URL"):
+    stream_url("/not/a/url")
+  with pytest.raises(TimeoutError, match="no weight-stream version"):
+    RolloutHost(f"file://{tmp_path}/empty", config, "h0", first_version_timeout_s=0.3)
+  Store.open(f"file://{tmp_path}/over").write(DONE_KEY, b"")
+  with pytest.raises(RunOver):
+    RolloutHost(f"file://{tmp_path}/over", config, "h0", first_version_timeout_s=5)
+  with pytest.raises(ValueError, match="host id"):
+    RolloutHost(f"file://{tmp_path}/empty", config, "bad/id", first_version_timeout_s=0.1)
+  del config.async_rl
+  with pytest.raises(ValueError, match="async_rl"):
+    RolloutHost(f"file://{tmp_path}/empty", config, "h0", first_version_timeout_s=0.1)
+
+
+def test_rollout_host_process_serves_groups_and_exits_on_done(tmp_path):
+  config = small_config()
+  cfg, p0 = params_of(config, 0)
+  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+  root = f"file://{tmp_path}/run"
+  Publisher(stream_url(root)).publish(p0, 0)
+  owner = QueueOwner.open(root, QueueConfig(max_outstanding=4, lease_s=120.0,
+                                            lease_ttl_s=60.0))
+  tasks = env.prompts("train", 2, seed=11)
+  owner.submit([(100 + i, wire.task_to_payload(t), GROUP) for i, t in enumerate(tasks)])
+  overrides = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
+      "--config.numerics=deterministic", "--config.engine.num_slots=8",
+      "--config.async_rl.poll_s=0.01"]
+  log = open(tmp_path / "host.log", "w")  # pylint: disable=consider-using-with
+  proc = subprocess.Popen(
+      [sys.executable, str(ROOT / "experiments" / "rollout_host.py"), f"--root={root}",
+       "--config=configs/arith_tiny.py", "--host_id=proc-0", "--first_version_timeout_s=60",
+       *overrides], cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+  try:
+    ready, deadline = {}, time.monotonic() + 120
+    while len(ready) < 2 and time.monotonic() < deadline and proc.poll() is None:
+      owner.step()
+      ready |= {r.group_id: r for r in owner.ready()}
+      time.sleep(0.05)
+    assert len(ready) == 2, (tmp_path / "host.log").read_text()[-3000:]
+    Store.open(root).write(DONE_KEY, b"")
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    log.close()
+  assert proc.returncode == 0, (tmp_path / "host.log").read_text()[-3000:]
+  last = json.loads(out.strip().splitlines()[-1])
+  assert last["exit"] == "done" and last["groups_pushed"] == 2 and last["host_id"] == "proc-0"
+  # another process, the same tokens: sampling keys are (seed, group id, sample, position)
+  want = reference_groups(config, cfg, p0, env, tasks, first_id=100)
+  for i, gid in enumerate([100, 101]):
+    assert_same_group(wire.group_from_arrays(ready[gid].arrays, gid), want[i].trajectories)
