@@ -62,6 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.top_k = 0
   c.rl.top_p = 1.0
   c.rl.advantage = "grpo"
+  # DAPO dynamic sampling: groups whose rewards all tie (no advantage) are replaced by
+  # fresh prompts for up to this many rollout rounds per step (1 = off; 3 did not lift
+  # seed 1's held-out pass@1 here: 0.773 vs 0.785 over 300 steps, at 2x the rollouts)
+  c.rl.dynamic_sampling_rounds = 1
   c.rl.learning_rate = 2e-4
   c.rl.warmup_steps = 20
   c.rl.final_lr_frac = 0.05  # < 1: cosine decay to learning_rate * final_lr_frac at rl.steps

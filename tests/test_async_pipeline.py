@@ -30,6 +30,7 @@ SMALL = ["--config.model.hidden_size=64", "--config.model.num_hidden_layers=2",
          "--config.eval.num_tasks=8", "--config.eval.n=2", "--config.eval.k=2",
          "--config.eval.every=0", "--config.engine.num_slots=16",
          "--config.async_rl.host_groups=4", "--config.async_rl.checkpoint_every=2",
+         "--config.rl.dynamic_sampling_rounds=1",
          "--config.log.tensorboard=False"]
 
 
@@ -107,7 +108,8 @@ def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version
   with fake_gcs("rljax-async"):
     proc = _trainer(tmp_path / "run", "gs://rljax-async/run", "--config.rl.steps=4",
                     "--config.numerics=deterministic", "--config.async_rl.check_versions=True",
-                    "--config.async_rl.weight_update=recompute", hosts=2)
+                    "--config.async_rl.weight_update=recompute",
+                    "--config.rl.dynamic_sampling_rounds=2", hosts=2)
     summary = _finish(proc)
   assert summary["updates"] == 4 and summary["host_exit_codes"] == [0, 0]
   assert summary["own_version_mismatch_max_abs"] == 0.0
@@ -116,6 +118,9 @@ def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version
   queue = summary["queue"]
   _accounting_holds(queue)
   assert queue["trained"] == 4 * 4
+  # dynamic sampling: up to 2 * (2 - 1) * 4 groups whose rewards tie dropped per update
+  assert queue["dropped"] == summary["dropped_no_signal"] + summary["dropped_stale"]
+  assert summary["dropped_no_signal"] <= 4 * 8
   assert 0.0 <= summary["mean_staleness"] <= 2 and summary["ttb_s"] > 0
   run = tmp_path / "run"
   assert (run / "reward_curve.png").exists()

@@ -236,3 +236,51 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   assert [r["step"] for r in records if r["phase"] == "sft_slow_down"] == [10]
   np.testing.assert_allclose(learning_rates, [config.sft.learning_rate,
                                               config.sft.learning_rate * 0.3], rtol=1e-6)
+
+
+def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatch):
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import sync  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.rollout import Group  # pylint: disable=import-outside-toplevel
+  from rljax.rl.trajectory import FinishReason, Trajectory  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, moe_intermediate_size=16,
+                           intermediate_size=32))
+  config.rl.update(dict(steps=3, prompts_per_step=3, group_size=2, dynamic_sampling_rounds=3))
+  config.eval.update(dict(num_tasks=4, every=0))
+  config.log.tensorboard = False
+  run = sync.setup(config, str(tmp_path))
+  # per generate_groups call, whether each drawn group has signal (rewards [1, 0]) or ties
+  script = iter([[1, 0, 0, 1, 0, 0], [0, 0], [0, 1],  # step 1: 2 kept, none, then 1
+                 [1, 1, 1, 1, 1, 1],  # step 2: the first round fills the batch
+                 [0] * 6, [0] * 6, [0] * 6])  # step 3: nothing has signal: the last fills
+  calls = []
+
+  def fake_generate(engine, env, tasks, *, group_size, sampling, seed, first_request_id):
+    signal = next(script)
+    assert len(tasks) == len(signal)
+    calls.append((first_request_id, len(tasks)))
+    groups = []
+    for i, (task, s) in enumerate(zip(tasks, signal)):
+      trajs = []
+      for reward in ([1.0, 0.0] if s else [0.0, 0.0]):
+        t = Trajectory(task.prompt_ids, np.array([3], np.int32), np.array([True]),
+                       np.zeros(1, np.float32), np.zeros(1, np.int32), None, FinishReason.EOS)
+        t.reward = reward
+        t.outcome = Outcome.SUCCESS if reward else Outcome.MODEL_FAILURE
+        trajs.append(t)
+      groups.append(Group(task, trajs, first_request_id + i))
+    return groups
+
+  trained = []
+  monkeypatch.setattr(sync, "generate_groups", fake_generate)
+  monkeypatch.setattr(sync, "train_on_groups", lambda run, learner, groups: (
+      trained.append([sync.has_signal(g) for g in groups]), {"loss": 0.0})[1])
+  sync.grpo(run)
+  assert trained == [[True] * 3, [True] * 3, [False] * 3]
+  assert calls == [(0, 6), (6, 2), (8, 2), (10, 6), (16, 6), (22, 6), (28, 6)]  # ids unique
+  records = [r for r in read_jsonl(run.log.jsonl_path) if r["phase"] == "grpo"]
+  assert [r["groups_sampled"] for r in records] == [10, 6, 18]
+  # success over every sampled episode, not only the trained ones
+  assert records[0]["success_frac"] == pytest.approx(3 / 20)

@@ -61,7 +61,7 @@ from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
 from rljax.model import forward
 from rljax.rl.batch import TrainBatch, build_batch
-from rljax.rl.trajectory import Outcome, Trajectory
+from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
 from rljax.sync.store import Store
 
@@ -98,6 +98,14 @@ class AsyncTrainer:
     self.publish_times: dict[int, float] = {}
     self.updates = 0
     self.dropped_stale = 0
+    self.dropped_no_signal = 0
+    self.sampled: list[Trajectory] = []  # fresh-enough episodes since the last update
+    # dynamic sampling drops at most as many tied groups per update as the sync loop's
+    # rounds can (2 * (rounds - 1) * prompts_per_step); past that, ties are trained on, so
+    # a policy that fails (or solves) everything still makes progress
+    rounds = self.rl.get("dynamic_sampling_rounds", 1)
+    self.tie_budget = 2 * (rounds - 1) * self.rl.prompts_per_step
+    self.ties_dropped_this_update = 0
     self.totals = {"ttb_s": [], "staleness": [], "train_s": 0.0}
     self.pool: list[tuple[Any, list[Trajectory]]] = []
     self.extra: dict[str, Any] = {}
@@ -227,14 +235,23 @@ class AsyncTrainer:
       self.pool.append((ready, wire.group_from_arrays(ready.arrays, ready.group_id)))
 
   def _take_batch(self) -> list[tuple[Any, list[Trajectory]]]:
-    """The oldest fresh-enough complete groups (drops the ones past max_staleness)."""
+    """The oldest fresh-enough complete groups: drops the ones past max_staleness and,
+    with dynamic sampling (rl.dynamic_sampling_rounds > 1, up to `tie_budget` per update),
+    the ones whose rewards all tie (no advantage; hosts sample fresh prompts instead)."""
     keep = []
     for ready, trajs in self.pool:
+      filter_ties = self.ties_dropped_this_update < self.tie_budget
       if group_staleness(self.run.version, trajs) > self.a.max_staleness:
         self.owner.mark_dropped(ready.group_id, "stale")
         self.dropped_stale += 1
+      elif filter_ties and not sync.has_signal(trajs):
+        self.owner.mark_dropped(ready.group_id, "no_signal")
+        self.dropped_no_signal += 1
+        self.ties_dropped_this_update += 1
+        self.sampled += trajs
       else:
         keep.append((ready, trajs))
+        self.sampled += trajs
     keep.sort(key=lambda item: item[0].group_id)
     p = self.rl.prompts_per_step
     self.pool = keep[p:]
@@ -314,15 +331,15 @@ class AsyncTrainer:
     self.totals["ttb_s"].append(ttb)
     self.totals["staleness"].append(float(staleness.mean()) if len(staleness) else 0.0)
     self.totals["train_s"] += train_s
-    successes = sum(t.outcome == Outcome.SUCCESS for t in trajs)
-    record = metrics | {
+    record = metrics | sync.rollout_stats(self.sampled) | {
         "ttb_s": ttb, "trainer_stall_s": ttb, "train_s": train_s,
         "staleness_mean": self.totals["staleness"][-1],
         "staleness_max": int(staleness.max()) if len(staleness) else 0,
-        "dropped_stale": self.dropped_stale, "success_frac": successes / len(trajs),
+        "dropped_stale": self.dropped_stale, "dropped_no_signal": self.dropped_no_signal,
         "updates": self.updates,
     } | ({"own_version_mismatch_max_abs": self.own_version_mismatch}
-         if self.a.check_versions else {}) | {f"queue_{k}": v for k, v in self.owner.accounting().items()}
+         if self.a.check_versions else {}) | {
+             f"queue_{k}": v for k, v in self.owner.accounting().items()}
     for host, status in read_host_status(self.store).items():
       applied = status.get("applied") or []
       if applied:
@@ -338,6 +355,8 @@ class AsyncTrainer:
       if busy + idle > 0:
         record[f"host_{host}_idle_frac"] = idle / (busy + idle)
     self.run.log.write("async", self.run.version, record)
+    self.sampled = []
+    self.ties_dropped_this_update = 0
 
   def finish(self) -> None:
     self.store.write(DONE_KEY, b"1")
@@ -373,7 +392,7 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
       "mode": "async", "updates": trainer.updates, "rl_wall_s": round(rl_wall, 2),
       "mean_staleness": float(np.mean(totals["staleness"])) if totals["staleness"] else 0.0,
       "ttb_s": float(np.mean(totals["ttb_s"])) if totals["ttb_s"] else 0.0,
-      "dropped_stale": trainer.dropped_stale,
+      "dropped_stale": trainer.dropped_stale, "dropped_no_signal": trainer.dropped_no_signal,
       "queue": trainer.owner.accounting()}
   if config.async_rl.check_versions:
     extra["own_version_mismatch_max_abs"] = trainer.own_version_mismatch

@@ -68,17 +68,18 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def plot_reward_curve(records: list[dict], path: str, *, title: str = "") -> None:
-  """Train reward per GRPO step (and a moving average) with held-out pass@1 points."""
+  """Reward of the episodes sampled for each GRPO update (and a moving average) with
+held-out pass@1 points."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-  train = [r for r in records if r["phase"] == "grpo"]
+  train = [r for r in records if r["phase"] in ("grpo", "async")]
   evals = [r for r in records if r["phase"] == "eval"]
   fig, ax = plt.subplots(figsize=(7, 4))
   if train:
     x = np.array([r["step"] for r in train])
-    y = np.array([r["reward_mean"] for r in train])
+    y = np.array([r.get("rollout_reward_mean", r["reward_mean"]) for r in train])
     ax.plot(x, y, lw=0.8, alpha=0.4, label="train reward (per step)")
     w = max(1, len(y) // 20)
     ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, mode="valid"), lw=2,

@@ -41,7 +41,7 @@ from rljax.model.packing import aligned_length
 from rljax.numerics import Numerics
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
 from rljax.pipeline.metrics import MetricsLogger, plot_reward_curve, read_jsonl
-from rljax.pipeline.rollout import generate_groups, outcome_counts
+from rljax.pipeline.rollout import generate_groups
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
 from rljax.rl.batch import build_batch, split_microbatches
@@ -256,6 +256,23 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearn
   return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding)
 
 
+def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
+  """What the policy scored on every episode it sampled for an update (dynamic sampling
+  trains on a subset: the batch's own reward_mean is biased towards 0.5)."""
+  outcomes = [t.outcome for t in sampled]
+  valid = [t.reward for t in sampled if t.outcome != Outcome.INFRA_FAILURE]
+  return {"success_frac": outcomes.count(Outcome.SUCCESS) / max(len(sampled), 1),
+          "rollout_reward_mean": float(np.mean(valid)) if valid else 0.0,
+          "infra_failures": outcomes.count(Outcome.INFRA_FAILURE),
+          "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in sampled]))}
+
+
+def has_signal(trajs: Sequence[Trajectory]) -> bool:
+  """Some two valid (non-infra) samples of the group differ in reward: it has an advantage."""
+  rewards = {t.reward for t in trajs if t.outcome != Outcome.INFRA_FAILURE}
+  return len(rewards) > 1
+
+
 def train_on_groups(run: Run, grpo_state: GrpoLearner,
                     groups: Sequence[Sequence[Trajectory]]) -> dict:
   """One GRPO update on `rl.prompts_per_step` groups of `rl.group_size` scored episodes;
@@ -290,26 +307,36 @@ def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
   sampling = SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
                             max_new_tokens=c.max_new_tokens)
   e = run.config.eval
+  rounds = c.get("dynamic_sampling_rounds", 1)
+  next_request = 0
   for step in progress(range(1, c.steps + 1)):
     t0 = time.perf_counter()
-    step_tasks = list(itertools.islice(tasks, c.prompts_per_step))
-    groups = generate_groups(run.engine, run.env, step_tasks, group_size=c.group_size,
-                             sampling=sampling, seed=run.config.seed,
-                             first_request_id=(step - 1) * c.prompts_per_step)
-    trajs = [t for g in groups for t in g.trajectories]
+    groups, sampled = [], []
+    for round_ in range(1, rounds + 1):
+      # DAPO dynamic sampling (rounds > 1): a group whose rewards all tie has no
+      # advantage; fresh prompts (twice as many as missing) replace it, and the last round
+      # fills what is still missing with whatever it drew
+      need = c.prompts_per_step - len(groups)
+      n = need if rounds == 1 else 2 * need
+      drawn = generate_groups(run.engine, run.env, list(itertools.islice(tasks, n)),
+                              group_size=c.group_size, sampling=sampling,
+                              seed=run.config.seed, first_request_id=next_request)
+      next_request += n
+      sampled += [t for g in drawn for t in g.trajectories]
+      drawn.sort(key=lambda g: not has_signal(g.trajectories))  # stable: signal first
+      groups += [g for g in drawn if round_ == rounds or has_signal(g.trajectories)][:need]
+      if len(groups) == c.prompts_per_step:
+        break
     t1 = time.perf_counter()
     metrics = train_on_groups(run, grpo_state, [g.trajectories for g in groups])
     t2 = time.perf_counter()
     run.engine.update_weights(run.serve(run.state), run.version)
     run.timings["rollout_s"] += t1 - t0
     run.timings["train_s"] += t2 - t1
-    counts = outcome_counts(groups)
-    record = run.log.write("grpo", run.version, metrics | {
-        "success_frac": counts[Outcome.SUCCESS.value] / len(trajs),
-        "infra_failures": counts[Outcome.INFRA_FAILURE.value],
-        "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in trajs])),
+    record = run.log.write("grpo", run.version, metrics | rollout_stats(sampled) | {
+        "groups_sampled": len(sampled) // c.group_size,
         "rollout_s": t1 - t0, "train_s": t2 - t1,
-        "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in trajs) / max(t1 - t0, 1e-9)})
+        "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
     if on_step is not None:
       on_step(record)
     if e.every and step % e.every == 0 and step != c.steps:
