@@ -16,8 +16,10 @@ install: .venv/.installed
 	$(PIP) install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
+# The async pipeline on configs/arith_tiny.py: trainer + 2 rollout-host processes on a
+# file:// root in a fresh temp workdir (printed in the last line's JSON).
 run: install
-	$(PY) experiments/run_default.py
+	$(PY) experiments/pipeline.py --config=configs/arith_tiny.py
 
 # Serial on purpose (no -n): 2 cores, and some tests spawn subprocesses.
 # pytest exit 5 (no tests collected) is reported and propagated.

@@ -66,8 +66,10 @@ def summary_table(summary: dict) -> str:
   lines = [f"{'':<18}{'before':>10}{'after':>10}"]
   lines += [f"{name:<18}{b:>10.3f}{a:>10.3f}" for name, b, a in rows]
   for key in ("updates", "mean_staleness", "ttb_s", "dropped_stale", "mismatch_max_abs",
-              "wall_s"):
-    lines.append(f"{key:<18}{summary[key]:>20}")
+              "rl_wall_s", "wall_s"):
+    value = summary[key]
+    lines.append(f"{key:<18}{value:>20.4g}" if isinstance(value, float) else
+                 f"{key:<18}{value:>20}")
   return "\n".join(lines)
 
 
