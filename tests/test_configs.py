@@ -59,6 +59,16 @@ def test_qwen3_30b_a3b_parameter_counts():
   assert (total, active) == (30_532_122_624, 3_353_032_704)
 
 
+def test_qwen3_235b_a22b_parameter_counts():
+  """Model card: 235B total, 22B activated (pinned exactly as golden values)."""
+  model = ModelConfig.from_dict(_load("qwen3_235b_a22b").model.to_dict())
+  total = count_params(abstract_params(model))
+  active = active_params(model)
+  assert abs(total / 235e9 - 1) < 0.01, total
+  assert 22e9 <= active < 23e9, active
+  assert (total, active) == (235_093_634_560, 22_190_763_520)
+
+
 def test_unknown_model_key_is_rejected():
   with pytest.raises(ValueError, match="unknown model config keys"):
     ModelConfig.from_dict({**_load("tiny_moe").model.to_dict(), "num_expert": 4})

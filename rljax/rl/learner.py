@@ -145,6 +145,7 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
   def run(state: TrainState, batches: TrainBatch, current_version: int = -1):
     return jitted(state, batches, np.int32(current_version))
 
+  run.jitted = jitted  # for ahead-of-time lowering (experiments/aot_check.py)
   return run
 
 
