@@ -19,6 +19,7 @@ import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from rljax import distributed
 from rljax.pipeline.sync import run_experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
@@ -32,6 +33,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
+  if jax.process_count() > 1:
+    raise app.UsageError(
+        "not multi-process yet: the synchronous loop runs its DecodeEngine in the trainer "
+        "process; "
+        "tests/test_multihost.py runs the multi-process pieces (sharded GRPO step, "
+        "per-process stream publishing and orbax checkpoint)")
   config = _CONFIG.value
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_")
   logging.info("devices: %s; workdir: %s", jax.devices(), workdir)

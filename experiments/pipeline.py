@@ -20,9 +20,11 @@ import sys
 import tempfile
 
 from absl import app, flags, logging
+import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from rljax import distributed
 from rljax.pipeline.async_loop import run_async
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
@@ -78,6 +80,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
+  if jax.process_count() > 1:
+    raise app.UsageError(
+        "not multi-process yet: the async trainer's queue, lineage, checkpoint schedule and "
+        "metrics have one writer; "
+        "tests/test_multihost.py runs the multi-process pieces (sharded GRPO step, "
+        "per-process stream publishing and orbax checkpoint)")
   config = _CONFIG.value
   workdir = os.path.abspath(_WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_"))
   os.makedirs(workdir, exist_ok=True)
