@@ -8,13 +8,16 @@ version by version (the workers wait for its ack) and must match, bit for bit, t
 params process 0 gathered from both processes; the checkpoint restores onto one device
 (another layout, another process count) with every leaf of the state bitwise equal.
 
-The checkpoint goes to a shared file:// directory, not gs://: orbax reaches gs:// through
-etils.epath, which needs gcsfs (not in this project's pinned dependencies) pointed at the
-emulator with STORAGE_EMULATOR_HOST.
+The checkpoint goes to gs:// too when gcsfs is importable (orbax reaches gs:// through
+etils.epath, which needs gcsfs, pointed at the emulator with STORAGE_EMULATOR_HOST);
+gcsfs is not in this project's pinned dependencies, so by default it goes to a shared
+file:// directory.
 
-This file is also the worker: `python tests/test_multihost.py WORKDIR STREAM_URL PORT ID`.
+This file is also the worker:
+`python tests/test_multihost.py WORKDIR STREAM_URL CKPT_DIR PORT ID`.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -58,7 +61,7 @@ def _wait_for(path: pathlib.Path, procs, timeout=TIMEOUT):
 
 
 @pytest.mark.multidevice
-def test_two_process_trainer_streams_and_checkpoints(tmp_path):
+def test_two_process_trainer_streams_and_checkpoints(tmp_path, monkeypatch):
   import rljax  # noqa: F401
   import jax
   import numpy as np
@@ -66,14 +69,19 @@ def test_two_process_trainer_streams_and_checkpoints(tmp_path):
   from rljax.sync import manifest as fmt
   from tests.fake_gcs import fake_gcs
 
-  with fake_gcs(BUCKET):
+  with fake_gcs(BUCKET) as gcs_url:
     url = f"gs://{BUCKET}/runs/multihost/stream"
+    if importlib.util.find_spec("gcsfs") is not None:
+      monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)
+      ckpt_dir = f"gs://{BUCKET}/runs/multihost/ckpt"
+    else:
+      ckpt_dir = str(tmp_path / "ckpt")
     port = _free_port()
     env = {**os.environ,
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
            + " --xla_force_host_platform_device_count=4"}
-    procs = [subprocess.Popen([sys.executable, str(HERE), str(tmp_path), url, str(port),
-                               str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(HERE), str(tmp_path), url, ckpt_dir,
+                               str(port), str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=str(REPO), env=env) for i in range(2)]
     try:
       sub = Subscriber(url)
@@ -97,7 +105,12 @@ def test_two_process_trainer_streams_and_checkpoints(tmp_path):
         if p.poll() is None:
           p.kill()
           p.communicate()
+    _check(results, tmp_path, ckpt_dir)
 
+
+def _check(results, tmp_path, ckpt_dir):
+  import jax
+  import numpy as np
   for r in results:
     assert r["process_count"] == 2 and r["device_count"] == 8 and r["local_devices"] == 4
     assert r["foreign_keys"] == [] and r["written"] > 0
@@ -108,11 +121,12 @@ def test_two_process_trainer_streams_and_checkpoints(tmp_path):
 
   # The checkpoint both processes wrote, restored onto one device of this process.
   from rljax.checkpoint import Checkpointer
-  state_dir = tmp_path / "ckpt" / str(VERSIONS - 1) / "state"
-  assert (state_dir / "ocdbt.process_0").is_dir() and (state_dir / "ocdbt.process_1").is_dir()
+  from etils import epath
+  state_dir = epath.Path(ckpt_dir) / str(VERSIONS - 1) / "state"
+  assert (state_dir / "ocdbt.process_0").exists() and (state_dir / "ocdbt.process_1").exists()
   want = np.load(tmp_path / "state.npz")
   template = _template(want)
-  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+  with Checkpointer(ckpt_dir, async_save=False) as ckpt:
     assert ckpt.steps() == [VERSIONS - 1]
     restored = ckpt.restore(template)
   assert restored.stream_version == VERSIONS - 1 and restored.step == VERSIONS - 1
@@ -173,7 +187,7 @@ def _trajectories(cfg, n: int, seed: int = 0):
   return out
 
 
-def worker(workdir: pathlib.Path, url: str, port: int, process_id: int):
+def worker(workdir: pathlib.Path, url: str, ckpt_dir: str, port: int, process_id: int):
   sys.path.insert(0, str(REPO))
   import rljax  # noqa: F401
   from rljax import distributed
@@ -240,7 +254,7 @@ def worker(workdir: pathlib.Path, url: str, port: int, process_id: int):
         raise TimeoutError(f"no ack for version {v}")
       time.sleep(0.05)
 
-  ckpt = Checkpointer(workdir / "ckpt", async_save=False)
+  ckpt = Checkpointer(ckpt_dir, async_save=False)
   ckpt.save(VERSIONS - 1, state, stream_version=VERSIONS - 1)
   ckpt.close()
   gathered = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -258,4 +272,4 @@ def worker(workdir: pathlib.Path, url: str, port: int, process_id: int):
 
 
 if __name__ == "__main__":
-  worker(pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+  worker(pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
