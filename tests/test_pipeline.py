@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import chex
 from hypothesis import given, settings, strategies as st
@@ -75,12 +76,14 @@ class _EchoTool(ArithmeticEnv):
   name = "echo_tool"
   max_turns = 3
 
-  def __init__(self, fail_step_on_turn=None, **kw):
+  def __init__(self, fail_step_on_turn=None, step_delay_s=0.0, **kw):
     super().__init__(max_digits=2, **kw)
     self.fail_step_on_turn = fail_step_on_turn
+    self.step_delay_s = step_delay_s
     self.obs = self.tokenizer.encode("<obs>7</obs>")
 
   def step(self, task, history_ids, action_ids):
+    time.sleep(self.step_delay_s)
     # count whole observations: a random policy may emit a lone "</obs>" id itself
     h, o = list(history_ids), list(self.obs)
     turn = sum(h[i:i + len(o)] == o for i in range(len(h))) + 1
@@ -118,11 +121,15 @@ def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cf
   assert eng.idle and not eng.parked and eng.pool.used_count == 0
 
 
-def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, tiny_params):
+@pytest.mark.parametrize("step_delay_s", [0.0, 0.01])
+def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, tiny_params,
+                                                                    step_delay_s):
   # Continuations queued by extend() hold their pages while they wait; with the pool
   # full of them nothing could run (calc_tiny hit OutOfPages). Their caches are dropped
-  # and re-prefilled instead, and the episodes stay bitwise the same.
-  env = _EchoTool()
+  # and re-prefilled instead, and the episodes stay bitwise the same. A slow env step
+  # must not leave parked sequences holding the pool either (it did when steps ran on
+  # the env threads while the engine admitted new prompts).
+  env = _EchoTool(step_delay_s=step_delay_s)
   tasks = env.prompts("train", 6, seed=0)
   sp = SamplingParams(max_new_tokens=5)
   small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9)

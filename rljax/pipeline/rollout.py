@@ -9,9 +9,9 @@ The episode is one growing sequence; its final Trajectory carries every turn's t
 with observations off the loss mask. This is `rljax.envs.rollout`'s protocol, batched.
 
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
-`step` or `verify` makes the sample an infra failure (no gradient, no baseline). Env calls
-run on worker threads while the engine decodes the other samples: a slow sandbox (see
-`rljax.envs.LatencyModel`) holds up its own sample, not the batch.
+`step` or `verify` makes the sample an infra failure (no gradient, no baseline). Verifier
+calls run on worker threads while the engine decodes the other samples: a slow verifier
+(see `rljax.envs.LatencyModel`) holds up its own sample, not the batch.
 
 `EpisodeRunner` is the incremental form (the async rollout host adds groups while others
 are decoding): `add` submits a group, each `step` is one `engine.step()` and returns the
@@ -61,10 +61,10 @@ class EpisodeRunner:
   """Runs groups of episodes on `engine`, which must carry only this runner's work.
 
   `add` one group per request id (each id at most once while it runs), `step` until
-  `idle`. Env calls (`verify`, multi-turn `step`) run on a pool of `env_workers` threads
-  while the engine keeps decoding, so a slow sandbox delays its own sample only; the
-  engine itself is driven from the caller's thread (not thread-safe: one loop drives the
-  engine and the runner).
+  `idle`. `verify` calls run on a pool of `env_workers` threads while the engine keeps
+  decoding, so a slow verifier delays its own sample only; multi-turn `env.step` calls
+  run inline (a parked sequence holds pages the engine cannot take back). The engine is
+  driven from the caller's thread (not thread-safe: one loop drives engine and runner).
   """
 
   def __init__(self, engine: DecodeEngine, env: Env, *, sampling: SamplingParams, seed: int,
@@ -83,8 +83,7 @@ class EpisodeRunner:
     self._turn_start: dict[tuple[int, int], int] = {}  # completion length when a turn began
     self._calls = concurrent.futures.ThreadPoolExecutor(env_workers,
                                                         thread_name_prefix="rljax-env")
-    # env calls in flight: future -> (trajectory, "verify" | "step")
-    self._in_env: dict[concurrent.futures.Future, tuple[Trajectory, str]] = {}
+    self._in_env: dict[concurrent.futures.Future, Trajectory] = {}  # verdicts in flight
 
   @property
   def busy(self) -> bool:
@@ -138,10 +137,7 @@ class EpisodeRunner:
                               return_when=concurrent.futures.FIRST_COMPLETED)
     completed = []
     for future in [f for f in self._in_env if f.done()]:
-      traj, kind = self._in_env.pop(future)
-      if kind == "step":
-        self._after_env_step(traj, future.result())
-        continue
+      traj = self._in_env.pop(future)
       verdict = future.result()
       traj.reward, traj.outcome = float(verdict.reward), verdict.outcome
       pending = self._pending[traj.request_id]
@@ -152,13 +148,11 @@ class EpisodeRunner:
                                traj.request_id))
     return completed
 
-  def _env_call(self, traj: Trajectory, kind: str, fn) -> None:
-    self._in_env[self._calls.submit(fn)] = (traj, kind)
-
   def _verify(self, traj: Trajectory) -> None:
     task = self._pending[traj.request_id].task
-    self._env_call(traj, "verify", lambda: safe_verify(self.env, task, traj.completion_ids,
-                                                       timeout_s=self.timeout_s))
+    future = self._calls.submit(lambda: safe_verify(self.env, task, traj.completion_ids,
+                                                    timeout_s=self.timeout_s))
+    self._in_env[future] = traj
 
   def _turn_ended(self, traj: Trajectory) -> None:
     """A sample stopped: verify it, or (multi-turn) ask the env for the next observation."""
@@ -170,10 +164,13 @@ class EpisodeRunner:
     if traj.finish_reason == FinishReason.LENGTH and len(traj.tokens) >= self.engine.max_seq_len:
       self._end_episode(traj, None)  # the sequence is full: no further turn
       return
+    # inline, not on the env threads: a parked sequence holds its pages until it is
+    # extended or released, and the engine cannot preempt parked sequences, so waiting
+    # for env steps while admitting new work can leave no pages for a running sequence
     task = self._pending[traj.request_id].task
     history, action = traj.completion_ids[:start], traj.completion_ids[start:]
-    self._env_call(traj, "step", lambda: safe_step(self.env, task, history, action,
-                                                   timeout_s=self.timeout_s))
+    self._after_env_step(traj, safe_step(self.env, task, history, action,
+                                         timeout_s=self.timeout_s))
 
   def _after_env_step(self, traj: Trajectory, result) -> None:
     if result.error is None and not result.done:
@@ -193,7 +190,7 @@ class EpisodeRunner:
       verdict = Verdict.infra_failure("step failed", error=result.error)
       done = concurrent.futures.Future()
       done.set_result(verdict)
-      self._in_env[done] = (traj, "verify")
+      self._in_env[done] = traj
       return
     self._verify(traj)
 
