@@ -121,18 +121,22 @@ def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cf
   assert eng.idle and not eng.parked and eng.pool.used_count == 0
 
 
-@pytest.mark.parametrize("step_delay_s", [0.0, 0.01])
+@pytest.mark.parametrize("step_delay_s,steps_per_call", [(0.0, 8), (0.01, 8), (0.0, 1)])
 def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, tiny_params,
-                                                                    step_delay_s):
+                                                                    step_delay_s,
+                                                                    steps_per_call):
   # Continuations queued by extend() hold their pages while they wait; with the pool
   # full of them nothing could run (calc_tiny hit OutOfPages). Their caches are dropped
   # and re-prefilled instead, and the episodes stay bitwise the same. A slow env step
   # must not leave parked sequences holding the pool either (it did when steps ran on
-  # the env threads while the engine admitted new prompts).
+  # the env threads while the engine admitted new prompts). With one step per call a
+  # lone running sequence may need a page only waiting continuations hold: their caches
+  # go (it raised OutOfPages "a single sequence does not fit" on calc_tiny's eval).
   env = _EchoTool(step_delay_s=step_delay_s)
   tasks = env.prompts("train", 6, seed=0)
   sp = SamplingParams(max_new_tokens=5)
-  small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9)
+  small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9,
+                  steps_per_call=steps_per_call)
   roomy = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
   a = generate_groups(small, env, tasks, group_size=4, seed=5, sampling=sp)
   b = generate_groups(roomy, env, tasks, group_size=4, seed=5, sampling=sp)

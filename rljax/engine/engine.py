@@ -489,13 +489,18 @@ class DecodeEngine:
       self.pools = self._copy(self.pools, src, dst)
 
   def _preempt_youngest(self, exclude: _Seq) -> None:
-    """Frees the pages of the sequence admitted last (waiting-for-slot ones first)."""
+    """Frees the pages of the sequence admitted last (waiting-for-slot ones first, then
+    running ones, then the caches of waiting continuations)."""
     if self.ready:
       seq = self.ready.pop()
     else:
       candidates = [(s.admitted_at, i) for i, s in enumerate(self.slots)
                     if s is not None and s is not exclude]
       if not candidates:
+        # no other sequence runs: waiting multi-turn continuations may hold the pages
+        # (they are re-prefilled when admitted)
+        if self._evict_waiting_cache():
+          return
         raise OutOfPages("a single sequence does not fit the page pool; raise num_pages")
       _, i = max(candidates)
       seq = self.slots[i]
