@@ -34,12 +34,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
-  if jax.process_count() > 1:
-    raise app.UsageError(
-        "not multi-process yet: the synchronous loop runs its DecodeEngine in the trainer "
-        "process; "
-        "tests/test_multihost.py runs the multi-process pieces (sharded GRPO step, "
-        "per-process stream publishing and orbax checkpoint)")
+  distributed.require_one_process("the synchronous loop runs its DecodeEngine in the "
+                                  "trainer process")
   config = _CONFIG.value
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_")
   logging.info("devices: %s; workdir: %s", jax.devices(), workdir)

@@ -20,7 +20,6 @@ import sys
 import tempfile
 
 from absl import app, flags, logging
-import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -81,12 +80,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
-  if jax.process_count() > 1:
-    raise app.UsageError(
-        "not multi-process yet: the async trainer's queue, lineage, checkpoint schedule and "
-        "metrics have one writer; "
-        "tests/test_multihost.py runs the multi-process pieces (sharded GRPO step, "
-        "per-process stream publishing and orbax checkpoint)")
+  distributed.require_one_process("the async trainer's queue, lineage, checkpoint schedule "
+                                  "and metrics have one writer")
   config = _CONFIG.value
   workdir = os.path.abspath(_WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_"))
   os.makedirs(workdir, exist_ok=True)

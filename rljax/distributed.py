@@ -16,7 +16,7 @@ anything touches a device.
 
 from __future__ import annotations
 
-from absl import flags, logging
+from absl import app, flags, logging
 import jax
 
 _COORDINATOR = flags.DEFINE_string(
@@ -56,6 +56,14 @@ def initialize_from_flags() -> bool:
   """`initialize` with the absl flags above (call after absl parsed them, in `main`)."""
   return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                     auto=_AUTO.value, local_device_count=_LOCAL_DEVICES.value)
+
+
+def require_one_process(why: str) -> None:
+  """Stops an entry point that is not wired for several processes yet (absl UsageError)."""
+  if jax.process_count() > 1:
+    raise app.UsageError(
+        f"not multi-process yet: {why}; tests/test_multihost.py runs the multi-process "
+        "pieces (sharded GRPO step, per-process stream publishing and orbax checkpoint)")
 
 
 def is_primary() -> bool:
