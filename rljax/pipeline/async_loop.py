@@ -210,13 +210,14 @@ class AsyncTrainer:
     unless a dead trainer published past our checkpoint) and evaluates with it."""
     newest = self.publisher.version
     self.run.version = 0 if newest is None else newest + 1
-    self.publisher.publish(self.run.serve(self.run.state), self.run.version)
+    params = self.run.serve(self.run.state)  # read-only from here on: shared by all three
+    self.publisher.publish(params, self.run.version)
     self.publish_times[self.run.version] = time.time()
     if self.a.check_versions:
-      self.version_params[self.run.version] = self.run.serve(self.run.state)
+      self.version_params[self.run.version] = params
       oldest = self.run.version - self.a.max_staleness - 1
       self.version_params = {v: p for v, p in self.version_params.items() if v >= oldest}
-    self.run.engine.update_weights(self.run.serve(self.run.state), self.run.version)
+    self.run.engine.update_weights(params, self.run.version)
 
   def _top_up(self, tasks: Iterator) -> None:
     """Keeps enough groups submitted that hosts never wait on the trainer for work."""
