@@ -5,19 +5,16 @@ Both processes run the sharded GRPO update (fsdp 4 x expert 2 across processes),
 each version to a weight stream on gs:// (fake-gcs-server) writing only the shards they
 hold, and write their part of one orbax checkpoint. Here, a Subscriber follows the stream
 version by version (the workers wait for its ack) and must match, bit for bit, the bf16
-params process 0 gathered from both processes; the checkpoint restores onto one device
-(another layout, another process count) with every leaf of the state bitwise equal.
-
-The checkpoint goes to gs:// too when gcsfs is importable (orbax reaches gs:// through
-etils.epath, which needs gcsfs, pointed at the emulator with STORAGE_EMULATOR_HOST);
-gcsfs is not in this project's pinned dependencies, so by default it goes to a shared
-file:// directory.
+params process 0 gathered from both processes. The checkpoint goes to gs:// on the same
+fake server (orbax reaches gs:// through etils.epath and gcsfs, pointed at the emulator by
+STORAGE_EMULATOR_HOST); the workers restore it onto another 8-device layout (fsdp 2 x
+expert 4 over the devices in reverse order) and this process restores it onto one device
+(another process count); every leaf of the state is bitwise equal both ways.
 
 This file is also the worker:
 `python tests/test_multihost.py WORKDIR STREAM_URL CKPT_DIR PORT ID`.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -71,11 +68,8 @@ def test_two_process_trainer_streams_and_checkpoints(tmp_path, monkeypatch):
 
   with fake_gcs(BUCKET) as gcs_url:
     url = f"gs://{BUCKET}/runs/multihost/stream"
-    if importlib.util.find_spec("gcsfs") is not None:
-      monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)
-      ckpt_dir = f"gs://{BUCKET}/runs/multihost/ckpt"
-    else:
-      ckpt_dir = str(tmp_path / "ckpt")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)  # gcsfs (orbax) -> fake server
+    ckpt_dir = f"gs://{BUCKET}/runs/multihost/ckpt"
     port = _free_port()
     env = {**os.environ,
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
@@ -105,7 +99,7 @@ def test_two_process_trainer_streams_and_checkpoints(tmp_path, monkeypatch):
         if p.poll() is None:
           p.kill()
           p.communicate()
-    _check(results, tmp_path, ckpt_dir)
+    _check(results, tmp_path, ckpt_dir)  # the checkpoint is on the fake server
 
 
 def _check(results, tmp_path, ckpt_dir):
@@ -115,6 +109,7 @@ def _check(results, tmp_path, ckpt_dir):
     assert r["process_count"] == 2 and r["device_count"] == 8 and r["local_devices"] == 4
     assert r["foreign_keys"] == [] and r["written"] > 0
     assert r["steps"] == VERSIONS - 1 and not any(r["skipped"])
+    assert r["restored_other_layout"] == "bitwise"
   assert results[0]["losses"] == results[1]["losses"]
   assert not set(results[0]["keys"]) & set(results[1]["keys"])  # each its own shards
   assert results[0]["nonlocal_leaves"] > 0  # the mesh really spans both processes
@@ -261,14 +256,41 @@ def worker(workdir: pathlib.Path, url: str, ckpt_dir: str, port: int, process_id
               for k, x in _flat(state).items()}
   if process_id == 0:
     np.savez(workdir / "state.npz", **gathered)
+  restored_other_layout = _restore_other_layout(ckpt_dir, state, gathered, cfg, opt)
   objects = [k for k in Recording.keys if "/_index/" not in k and k.startswith(fmt.OBJECTS)]
   print(json.dumps({
       "process_count": jax.process_count(), "device_count": jax.device_count(),
       "local_devices": jax.local_device_count(), "steps": int(state.step),
       "losses": losses, "skipped": skipped, "written": len(objects), "keys": objects,
       "foreign_keys": sorted(set(objects) - mine),
-      "nonlocal_leaves": sum(not x.is_fully_addressable for x in jax.tree.leaves(state))}))
+      "nonlocal_leaves": sum(not x.is_fully_addressable for x in jax.tree.leaves(state)),
+      "restored_other_layout": restored_other_layout}))
   jax.distributed.shutdown()
+
+
+def _restore_other_layout(ckpt_dir, state, gathered, cfg, opt) -> str:
+  """Restores the checkpoint onto fsdp 2 x expert 4 over the devices in reverse order
+  (every leaf sharded differently, shards crossing processes the other way) and compares
+  each leaf, gathered, with the saved state's bits."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from rljax import sharding as sharding_lib
+  from rljax.checkpoint import Checkpointer, abstract_like
+  from rljax.rl import learner
+  other = sharding_lib.Sharding(sharding_lib.make_mesh({"fsdp": 2, "expert": 4},
+                                                       jax.devices()[::-1]))
+  target = abstract_like(state, learner.state_shardings(cfg, opt, other))
+  with Checkpointer(ckpt_dir, async_save=False) as ckpt:
+    restored = ckpt.restore(target)
+  moved = 0
+  for (k, x), (_, y) in zip(_flat(restored.state).items(), _flat(state).items()):
+    if x.sharding != y.sharding:
+      moved += 1
+    got = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if got.dtype != gathered[k].dtype or got.tobytes() != gathered[k].tobytes():
+      return f"differs at {k}"
+  return "bitwise" if moved and restored.stream_version == VERSIONS - 1 else "not moved"
 
 
 if __name__ == "__main__":
