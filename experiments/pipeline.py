@@ -1,7 +1,13 @@
-"""Async GRPO on one machine: this process trains, N rollout-host processes sample.
+"""Async GRPO: this process trains, N rollout-host processes sample.
 
   python experiments/pipeline.py --config=configs/arith_tiny.py --workdir=/tmp/pipe \
       [--root=file:///tmp/pipe/root] [--hosts=2] [--config.seed=1 ...]
+
+A trainer of several processes (one per host; rljax.distributed's flags, e.g.
+`--coordinator_address=HOST0:PORT --num_processes=N --process_id=i`, or `--distributed`):
+run the same command on each, with an explicit `--root` they all reach (gs://) and
+`config.mesh` spanning all their devices. Process 0 starts the local rollout hosts and
+prints the summary; the others print one JSON line (their process index and updates).
 
 The trainer and its hosts share only the storage root (`file://` here; `gs://` works the
 same): the weight stream, the work queue and the run's control keys. Hosts are started
@@ -20,6 +26,7 @@ import sys
 import tempfile
 
 from absl import app, flags, logging
+import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -80,15 +87,22 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
-  distributed.require_one_process("the async trainer's queue, lineage, checkpoint schedule "
-                                  "and metrics have one writer")
   config = _CONFIG.value
+  primary = distributed.is_primary()
+  if jax.process_count() > 1:
+    if _ROOT.value is None:
+      raise app.UsageError(f"{jax.process_count()} trainer processes need --root: a storage "
+                           "root all of them reach (gs://BUCKET/runs/NAME)")
+    try:
+      distributed.check_mesh(config.mesh.to_dict())
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   workdir = os.path.abspath(_WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_"))
   os.makedirs(workdir, exist_ok=True)
   root = _ROOT.value or f"file://{os.path.join(workdir, 'root')}/"
   n_hosts = config.async_rl.hosts if _HOSTS.value is None else _HOSTS.value
   bar = (lambda it, desc: tqdm(it, desc=desc, file=sys.stderr, mininterval=2.0)) \
-      if _PROGRESS.value else None
+      if _PROGRESS.value and primary else None
   hosts: list[subprocess.Popen] = []
   try:
     summary = run_async(config, workdir, root, progress=bar,
@@ -103,9 +117,10 @@ def main(argv):
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait()
-  summary["host_exit_codes"] = [proc.returncode for proc in hosts]
   summary["workdir"] = workdir
-  print(summary_table(summary))
+  if primary:
+    summary["host_exit_codes"] = [proc.returncode for proc in hosts]
+    print(summary_table(summary))
   print(json.dumps(summary))
 
 

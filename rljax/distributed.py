@@ -12,12 +12,22 @@ anything touches a device.
   (none of them, or --num_processes=1)   single process: nothing is called
 
 `--local_device_count=N` simulates N CPU devices per process (tests, laptops).
+
+Helpers for the loops that run on several processes (rljax.pipeline.async_loop):
+`is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the trainer's
+mesh must be every device of the job), `broadcast_bytes` (process 0's bytes to every
+process: the batch it assembled) and `gather` (a pytree of global arrays as numpy on
+every process: the serving params for an engine that lives on one process).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Mapping
+
 from absl import app, flags, logging
 import jax
+import numpy as np
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "HOST:PORT of process 0's coordinator (jax.distributed)")
@@ -59,11 +69,53 @@ def initialize_from_flags() -> bool:
 
 
 def require_one_process(why: str) -> None:
-  """Stops an entry point that is not wired for several processes yet (absl UsageError)."""
+  """Stops an entry point that is not wired for several processes (absl UsageError)."""
   if jax.process_count() > 1:
     raise app.UsageError(
-        f"not multi-process yet: {why}; tests/test_multihost.py runs the multi-process "
-        "pieces (sharded GRPO step, per-process stream publishing and orbax checkpoint)")
+        f"not multi-process: {why}; experiments/pipeline.py (the async trainer) runs on "
+        "several processes")
+
+
+def check_mesh(mesh_shape: Mapping[str, int]) -> None:
+  """Under several processes the trainer's mesh must hold every device of the job (a mesh
+  of the first devices would leave other processes' devices out of the update)."""
+  size = math.prod(int(v) for v in mesh_shape.values())
+  if jax.process_count() > 1 and size != jax.device_count():
+    raise ValueError(
+        f"config.mesh {dict(mesh_shape)} has {size} devices but the {jax.process_count()} "
+        f"processes hold {jax.device_count()} ({jax.local_device_count()} here): with several "
+        "processes the mesh must span all of them (set --config.mesh.* so the product is "
+        f"{jax.device_count()})")
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+  """Process 0's `data` on every process (the others pass None). A collective: every
+  process calls it, and waits in it until process 0 does. Two broadcasts: the length,
+  then the bytes padded to a power of two (few distinct shapes, few compilations)."""
+  if jax.process_count() == 1:
+    if data is None:
+      raise ValueError("process 0 has no data to broadcast")
+    return data
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  primary = is_primary()
+  if primary and data is None:
+    raise ValueError("process 0 has no data to broadcast")
+  n = int(multihost_utils.broadcast_one_to_all(
+      np.array(len(data) if primary else 0, np.int32)))
+  padded = np.zeros(1 << max(n - 1, 0).bit_length(), np.uint8)
+  if primary:
+    padded[:n] = np.frombuffer(data, np.uint8)
+  return np.asarray(multihost_utils.broadcast_one_to_all(padded))[:n].tobytes()
+
+
+def gather(tree: Any) -> Any:
+  """Every leaf of a pytree of (global) arrays as one numpy array, on every process (a
+  collective under several processes; a device_get for one)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                      tree)
 
 
 def is_primary() -> bool:

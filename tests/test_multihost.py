@@ -134,6 +134,136 @@ def _check(results, tmp_path, ckpt_dir):
     assert got.tobytes() == want[k].tobytes(), k  # bitwise
 
 
+# ---------------------------------------------------------------- the async trainer
+
+PIPELINE = REPO / "experiments" / "pipeline.py"
+E2E_STEPS = 3
+E2E_FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
+    "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
+    f"--config.rl.steps={E2E_STEPS}", "--config.rl.prompts_per_step=4",
+    "--config.rl.group_size=4", "--config.eval.num_tasks=4", "--config.eval.n=2",
+    "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=16",
+    "--config.async_rl.host_groups=4", f"--config.async_rl.checkpoint_every={E2E_STEPS}",
+    "--config.log.tensorboard=False"]
+
+
+@pytest.mark.multidevice
+def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypatch):
+  """experiments/pipeline.py as 2 trainer processes x 4 CPU devices (one 8-device mesh,
+  fsdp 4 x expert 2) on a gs:// root (fake-gcs-server); process 0 owns the queue, lineage
+  and metrics and starts one rollout host; every update it broadcasts the batch and both
+  run the sharded GRPO step, publish their own shards and write their part of the orbax
+  checkpoint. Checked here: the run's outputs, each version's shards written once, by one
+  process, a subscriber's bits, and the checkpoint restored onto one device."""
+  import jax
+  import numpy as np
+  from rljax.pipeline.metrics import read_jsonl
+  from rljax.sync import Store, Subscriber
+  from rljax.sync import manifest as fmt
+  from tests.fake_gcs import fake_gcs
+
+  with fake_gcs(BUCKET) as gcs_url:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)
+    root = f"gs://{BUCKET}/runs/async"
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=4"}
+    procs = []
+    for i in range(2):  # the same command on each trainer host, but for --process_id
+      err = open(tmp_path / f"trainer{i}.err", "w", encoding="utf-8")
+      procs.append(subprocess.Popen(
+          [sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
+           f"--root={root}", "--hosts=1", "--progress=false",
+           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+           f"--process_id={i}", *E2E_FLAGS],
+          cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=err, text=True))
+    try:
+      outs = []
+      for i, p in enumerate(procs):
+        out, _ = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 0, (tmp_path / f"trainer{i}.err").read_text()[-4000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.communicate()
+    summary, other = outs
+
+    # the run: process 0's summary, its host, its lineage and queue
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    assert summary["updates"] == E2E_STEPS and summary["steps"] == E2E_STEPS
+    assert summary["host_exit_codes"] == [0]
+    q = summary["queue"]
+    assert q["trained"] == 4 * E2E_STEPS
+    assert q["submitted"] == (q["trained"] + q["dropped"] + q["pending"] + q["leased"]
+                              + q["ready"]), q
+    assert other == {"process_index": 1, "processes": 2, "updates": E2E_STEPS,
+                     "steps": E2E_STEPS, "workdir": str(tmp_path / "trainer1")}
+    lineage = read_jsonl(tmp_path / "trainer0" / "trained_groups.jsonl")
+    assert [l["update"] for l in lineage] == list(range(1, E2E_STEPS + 1))
+    assert [l["version"] for l in lineage] == list(range(1, E2E_STEPS + 1))
+    groups = [g for l in lineage for g in l["groups"]]
+    assert len(groups) == len(set(groups)) == 4 * E2E_STEPS
+    assert {h for l in lineage for h in l["hosts"]} == {"host0"}
+    records = read_jsonl(tmp_path / "trainer0" / "metrics.jsonl")
+    assert sum(r["phase"] == "async" for r in records) == E2E_STEPS
+    assert not (tmp_path / "trainer1" / "metrics.jsonl").exists()  # process 0 owns them
+
+    # the stream: every version's shards written once, by one process, all of them covered
+    store = Store.open(f"{root}/stream/")
+    for v in range(E2E_STEPS + 1):
+      manifest = fmt.Manifest.from_bytes(store.read(fmt.manifest_key(v)))
+      by_process = []
+      for proc in range(2):
+        index = json.loads(store.read(fmt.index_key(v, proc)))
+        by_process.append({e["key"] for group in index.values() for entries in group.values()
+                           for e in entries})
+      assert by_process[0] and by_process[1] and not by_process[0] & by_process[1], v
+      want = {s.key for group in (manifest.tensors, manifest.deltas or {})
+              for t in group.values() for s in t.shards}
+      assert by_process[0] | by_process[1] == want, v
+    sub = Subscriber(f"{root}/stream/")
+    assert sub.poll() == E2E_STEPS and not sub.stats.errors  # checksums of every delta
+
+    # the checkpoint: both processes' parts, restored onto one device of this process;
+    # its serving bits are the stream's newest version
+    ckpt_dir = f"{root}/trainer/checkpoints"
+    from etils import epath
+    state_dir = epath.Path(ckpt_dir) / str(E2E_STEPS) / "state"
+    assert (state_dir / "ocdbt.process_0").exists() and (state_dir / "ocdbt.process_1").exists()
+    restored = _restore_e2e_on_one_device(ckpt_dir)
+    assert restored.step == E2E_STEPS and restored.stream_version == E2E_STEPS
+    state = restored.state["state"]
+    assert int(state.step) == E2E_STEPS
+    assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(state))
+    got = {p: np.asarray(x) for p, x in fmt.flatten(sub.params).items()}
+    served = {p: np.asarray(x.astype(got[p].dtype)) for p, x in fmt.flatten(state.params).items()}
+    assert sorted(got) == sorted(served)
+    for p in got:
+      assert got[p].tobytes() == served[p].tobytes(), p
+
+
+def _restore_e2e_on_one_device(ckpt_dir):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from rljax.checkpoint import Checkpointer
+  from rljax.model import ModelConfig, abstract_params
+  from rljax.rl import learner
+  config = _config()
+  c = config.rl
+  cfg = ModelConfig.from_dict(config.model.to_dict())
+  opt = learner.make_optimizer(optax.constant_schedule(c.learning_rate),
+                               weight_decay=c.weight_decay, clip_norm=c.clip_norm, b2=c.adam_b2)
+  abstract = jax.eval_shape(lambda p: learner.init_state(p, opt),
+                            abstract_params(cfg, jnp.float32))
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
+  with Checkpointer(ckpt_dir, async_save=False) as ckpt:
+    return ckpt.restore({"state": target})
+
+
 def test_single_process_is_a_noop():
   from rljax import distributed
   assert not distributed.initialize()

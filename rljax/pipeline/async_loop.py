@@ -39,27 +39,48 @@ batch to having it: time-to-trainable-batch; all of it is trainer stall), train_
 staleness mean/max over the batch's tokens, dropped_stale, queue accounting, and from the
 hosts' status records: publish->apply latency and apply pause of the newest version each
 host applied, rollout tokens/s, host idle fraction.
+
+Several trainer processes (`jax.distributed`, rljax.distributed): together they hold the
+train state on `config.mesh`, which must span every device of the job. Process 0 alone
+owns the work queue, the lineage, the metrics, the reward curve and the `run/` keys (and
+an entry point's local rollout hosts); each update it broadcasts the groups it took
+(`distributed.broadcast_bytes`, as `wire` arrays) and every process runs the same jitted
+sharded GRPO step on them. Every process publishes the stream shards it holds (Publisher)
+and writes its part of each orbax checkpoint, under `<root>/trainer/` (a directory all of
+them reach; one process keeps them in its workdir). Evaluations run on process 0 only, with
+a DecodeEngine on its first device fed the serving params gathered from all processes
+(the others take part in the gather and move on). SFT runs on every process without
+probes (`sft.target_pass1 = 0`); probes would need an engine on every process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import io
 import itertools
 import json
 import os
 import time
 from typing import Any, Callable, Iterator
 
+from etils import epath
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from rljax import distributed, envs
 from rljax.checkpoint import Checkpointer
+from rljax.engine.engine import DecodeEngine
 from rljax.pipeline import sync, wire
 from rljax.pipeline.host import DONE_KEY, HOSTS_PREFIX, QUEUE_PREFIX, check_root, stream_url
 from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
-from rljax.model import forward
+from rljax.model import ModelConfig, count_params, forward, init_sharded
+from rljax.numerics import Numerics
+from rljax.pipeline.metrics import MetricsLogger
+from rljax.rl import learner
 from rljax.rl.batch import TrainBatch, build_batch
 from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
@@ -85,16 +106,103 @@ def read_host_status(store: Store) -> dict[str, dict]:
   return out
 
 
+def trainer_dir(root: str, workdir: str) -> str:
+  """Where the trainer's orbax checkpoints (`checkpoints/`, `sft_checkpoint/`) go: its
+  workdir for one process; for several, `<root>/trainer`, which all of them reach."""
+  if jax.process_count() == 1:
+    return os.path.abspath(workdir)
+  root = check_root(root).rstrip("/")
+  if root.startswith("gs://"):
+    return f"{root}/trainer"
+  if root.startswith("file://"):
+    return os.path.join(root[len("file://"):], "trainer")
+  raise ValueError(f"a trainer of {jax.process_count()} processes needs a root they all "
+                   f"reach (gs:// or a shared file://), not {root}")
+
+
+class _NoLog:
+  """The metrics logger of processes other than 0 (process 0 owns metrics.jsonl, tb/)."""
+
+  def __init__(self, workdir: str):
+    self.workdir, self.jsonl_path = workdir, None
+
+  def write(self, phase: str, step: int, values) -> dict:
+    return {"phase": phase, "step": int(step), **values}
+
+  def close(self) -> None:
+    pass
+
+
+def _local_params(params: Any) -> Any:
+  """Several processes: the serving params gathered from all of them onto process 0's
+  first device (a collective: every process calls it; None except on process 0)."""
+  gathered = distributed.gather(params)
+  return jax.device_put(gathered, jax.local_devices()[0]) if distributed.is_primary() else None
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> sync.Run:
+  """`sync.setup`, for one trainer process or several. Several: the state on config.mesh
+  over every device of the job, a DecodeEngine (evaluations) on process 0's first device
+  only, metrics from process 0 only."""
+  if jax.process_count() == 1:
+    return sync.setup(config, workdir)
+  distributed.check_mesh(config.mesh.to_dict())
+  cfg = ModelConfig.from_dict(config.model.to_dict())
+  numerics = Numerics(config.numerics)
+  sharding = sync.make_sharding(config.mesh.to_dict())
+  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+  if env.tokenizer.vocab_size > cfg.vocab_size:
+    raise ValueError(f"the env's tokenizer has {env.tokenizer.vocab_size} ids, the model "
+                     f"only {cfg.vocab_size}")
+  heldout = env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
+  params = init_sharded(cfg, config.seed, sharding, dtype=jnp.float32)
+  serve = jax.jit(functools.partial(learner.serving_params, cfg=cfg))
+  state = sync.params_only(params)
+  local = _local_params(serve(state))
+  engine = None
+  if distributed.is_primary():
+    engine = DecodeEngine(cfg, local, numerics=numerics, num_slots=config.engine.num_slots,
+                          max_seq_len=config.engine.max_seq_len, eos_id=env.tokenizer.eos_id)
+    log = MetricsLogger(workdir, tensorboard=config.log.tensorboard)
+  else:
+    log = _NoLog(workdir)
+  log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
+                       "processes": jax.process_count()})
+  return sync.Run(config, cfg, numerics, sharding, env, heldout, engine, state, serve, log)
+
+
+def _pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+  buf = io.BytesIO()
+  np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
+  return buf.getvalue()
+
+
+def _unpack(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+  with np.load(io.BytesIO(data), allow_pickle=False) as z:
+    arrays = {k: z[k] for k in z.files}
+  return json.loads(arrays.pop("header").tobytes()), arrays
+
+
 class AsyncTrainer:
-  """One async run's trainer side; `run_async` drives it."""
+  """One async run's trainer side; `run_async` drives it (on every trainer process)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, root: str):
     self.config, self.root = config, root
     self.a, self.rl = config.async_rl, config.rl
-    self.run = sync.setup(config, workdir)
+    self.multi = jax.process_count() > 1
+    self.primary = distributed.is_primary()
+    if self.multi:
+      distributed.check_mesh(config.mesh.to_dict())
+      if config.sft.steps and not config.sft.load and config.sft.target_pass1 > 0:
+        raise ValueError(
+            f"{jax.process_count()} trainer processes run SFT without probes only: set "
+            "--config.sft.target_pass1=0, or --config.sft.load=DIR (an SFT checkpoint)")
+    self.dir = trainer_dir(root, workdir)
+    self.run = setup(config, workdir)
     self.store = Store.open(check_root(root))
-    self.ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                             keep_last=2)
+    self.ckpt = Checkpointer(f"{self.dir.rstrip('/')}/checkpoints", keep_last=2)
+    if self.multi:  # gloo (CPU) gives the first collective of a device set 30 s to gather
+      distributed.broadcast_bytes(b"ready" if self.primary else None)  # everyone: now
     self.publish_times: dict[int, float] = {}
     self.updates = 0
     self.dropped_stale = 0
@@ -112,6 +220,7 @@ class AsyncTrainer:
     # async_rl.check_versions: serving params of recent versions, to recompute every
     # token's log-prob with the weights of the version that sampled it
     self.version_params: dict[int, Any] = {}
+    self.owner: QueueOwner | None = None  # process 0's
     self.own_version_mismatch = 0.0
     self.own_version_tokens = {"checked": 0, "unchecked": 0}
     self._score = jax.jit(functools.partial(_batch_logprobs, cfg=self.run.cfg,
@@ -130,13 +239,13 @@ class AsyncTrainer:
     if self.ckpt.latest_step() is not None:
       self._resume()
     else:
-      evals.append(sync.run_eval(run, 0, "init"))
+      evals.append(self.evaluate(0, "init"))
       if self.config.sft.load:
         sync.load_params(run, self.config.sft.load)
         self.extra["sft_loaded_from"] = self.config.sft.load
       elif self.config.sft.steps:
-        sft_dir = os.path.join(run.log.workdir, "sft_checkpoint")
-        if os.path.exists(sft_dir):
+        sft_dir = f"{self.dir.rstrip('/')}/sft_checkpoint"
+        if epath.Path(sft_dir).exists():
           raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir")
         self.extra |= sync.sft(run, functools.partial(progress, desc="sft"))
         sync.save_params(run, sft_dir)
@@ -146,11 +255,22 @@ class AsyncTrainer:
         raise ValueError(f"{self.root} already holds a stream but {run.log.workdir} has no "
                          "checkpoint: use a fresh root, or the workdir that wrote it")
       self._publish()  # version 0
-      self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
-    if on_published is not None:
+      if self.primary:
+        self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
+    if on_published is not None and self.primary:
       on_published()
-    evals.append(sync.run_eval(run, run.version, "before"))
+    evals.append(self.evaluate(run.version, "before"))
     return evals
+
+  def evaluate(self, step: int, name: str) -> dict:
+    """sync.run_eval; with several processes on process 0 only, with gathered params
+    (every process must call it: the gather is a collective)."""
+    if not self.multi:
+      return sync.run_eval(self.run, step, name)
+    local = _local_params(self.run.serve(self.run.state))
+    if not self.primary:
+      return {"name": name}
+    return sync.run_eval(dataclasses.replace(self.run, serve=lambda _: local), step, name)
 
   def _queue_config(self) -> QueueConfig:
     return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
@@ -168,8 +288,9 @@ class AsyncTrainer:
     # versions the dead trainer published after its checkpoint are abandoned: the restored
     # params go out again as the newest version, so hosts are back on this lineage
     self._publish()
-    self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
-    self.extra["requeued_after_rollback"] = self._roll_back_audit(restored.step)
+    if self.primary:
+      self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
+      self.extra["requeued_after_rollback"] = self._roll_back_audit(restored.step)
     self.extra["resumed_from_update"] = restored.step
     self.extra["resumed_stream_version"] = restored.stream_version
 
@@ -217,7 +338,8 @@ class AsyncTrainer:
       self.version_params[self.run.version] = params
       oldest = self.run.version - self.a.max_staleness - 1
       self.version_params = {v: p for v, p in self.version_params.items() if v >= oldest}
-    self.run.engine.update_weights(params, self.run.version)
+    if not self.multi:  # several processes: process 0's engine gets weights at evaluations
+      self.run.engine.update_weights(params, self.run.version)
 
   def _top_up(self, tasks: Iterator) -> None:
     """Keeps enough groups submitted that hosts never wait on the trainer for work."""
@@ -260,28 +382,14 @@ class AsyncTrainer:
 
   def train(self, progress: Callable[..., Iterator]) -> None:
     run = self.run
-    # group g is task g of the run's task stream, so a resumed queue continues it
-    tasks = itertools.islice(sync.task_stream(run.env, self.rl.num_tasks, self.config.seed),
-                             self.owner.next_group_id, None)
+    tasks = None
+    if self.primary:  # group g is task g of the run's task stream: a resumed queue goes on
+      tasks = itertools.islice(sync.task_stream(run.env, self.rl.num_tasks, self.config.seed),
+                               self.owner.next_group_id, None)
     e = self.config.eval
     for _ in progress(range(self.updates, self.rl.steps), desc="grpo-async"):
       t0 = time.perf_counter()
-      batch: list = []
-      while True:
-        self._top_up(tasks)
-        self._collect()
-        batch += self._take_batch()
-        if len(batch) >= self.rl.prompts_per_step:
-          break
-        if time.perf_counter() - t0 > self.a.batch_timeout_s:
-          raise TimeoutError(
-              f"{len(batch)} of {self.rl.prompts_per_step} groups after "
-              f"{self.a.batch_timeout_s:.0f} s; queue {self.owner.accounting()}; hosts seen: "
-              f"{sorted(read_host_status(self.store))}. Are rollout hosts running against "
-              f"{self.root}?")
-        time.sleep(max(self.a.poll_s, 0.05))  # each poll lists the hosts' keys
-      self.pool = batch[self.rl.prompts_per_step:] + self.pool
-      batch = batch[:self.rl.prompts_per_step]
+      batch = self._share(functools.partial(self._next_batch, tasks, t0))
       t1 = time.perf_counter()
       trained_version = run.version
       trajs = [t for _, g in batch for t in g]
@@ -289,24 +397,70 @@ class AsyncTrainer:
         self._check_versions(trajs)
       metrics = sync.train_on_groups(run, self.grpo, [g for _, g in batch])
       self._publish()
-      for ready, _ in batch:
-        self.owner.mark_trained(ready.group_id)
       self.updates += 1
-      with open(self._audit_path(), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"update": self.updates, "version": run.version,
-                            "groups": [ready.group_id for ready, _ in batch],
-                            "hosts": [ready.host_id for ready, _ in batch],
-                            "tasks": [ready.payload for ready, _ in batch]}) + "\n")
-      t2 = time.perf_counter()
-      self._log(metrics, trajs, trained_version, ttb=t1 - t0, train_s=t2 - t1)
+      if self.primary:
+        for ready, _ in batch:
+          self.owner.mark_trained(ready.group_id)
+        with open(self._audit_path(), "a", encoding="utf-8") as f:
+          f.write(json.dumps({"update": self.updates, "version": run.version,
+                              "groups": [ready.group_id for ready, _ in batch],
+                              "hosts": [ready.host_id for ready, _ in batch],
+                              "tasks": [ready.payload for ready, _ in batch]}) + "\n")
+        t2 = time.perf_counter()
+        self._log(metrics, trajs, trained_version, ttb=t1 - t0, train_s=t2 - t1)
       if self.updates % self.a.checkpoint_every == 0 or self.updates == self.rl.steps:
         self.ckpt.save(self.updates, {"state": self.grpo.state},
                        stream_version=run.version)
         self.ckpt.wait()
-        self.owner.flush()
+        if self.primary:
+          self.owner.flush()
       if e.every and self.updates % e.every == 0 and self.updates != self.rl.steps:
-        sync.run_eval(run, run.version, f"update{self.updates}")
-    self.owner.flush()
+        self.evaluate(run.version, f"update{self.updates}")
+    if self.primary:
+      self.owner.flush()
+
+  def _next_batch(self, tasks: Iterator, t0: float) -> list[tuple[Any, list[Trajectory]]]:
+    """Process 0: `prompts_per_step` groups from the queue, waiting for the hosts."""
+    batch: list = []
+    while True:
+      self._top_up(tasks)
+      self._collect()
+      batch += self._take_batch()
+      if len(batch) >= self.rl.prompts_per_step:
+        break
+      if time.perf_counter() - t0 > self.a.batch_timeout_s:
+        raise TimeoutError(
+            f"{len(batch)} of {self.rl.prompts_per_step} groups after "
+            f"{self.a.batch_timeout_s:.0f} s; queue {self.owner.accounting()}; hosts seen: "
+            f"{sorted(read_host_status(self.store))}. Are rollout hosts running against "
+            f"{self.root}?")
+      time.sleep(max(self.a.poll_s, 0.05))  # each poll lists the hosts' keys
+    self.pool = batch[self.rl.prompts_per_step:] + self.pool
+    return batch[:self.rl.prompts_per_step]
+
+  def _share(self, take: Callable[[], list]) -> list[tuple[Any, list[Trajectory]]]:
+    """The batch `take()` returns on process 0, on every process: the others get `(None,
+    trajectories)` pairs decoded from the same `wire` arrays, or raise when take() raised
+    on process 0 (it sends them the error before raising it)."""
+    if not self.multi:
+      return take()
+    if not self.primary:
+      header, arrays = _unpack(distributed.broadcast_bytes(None))
+      if header["kind"] == "error":
+        raise RuntimeError(f"trainer process 0 failed: {header['message']}")
+      return [(None, wire.group_from_arrays(
+          {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(f"g{i}.")}, gid))
+              for i, gid in enumerate(header["group_ids"])]
+    try:
+      batch = take()
+    except BaseException as err:
+      distributed.broadcast_bytes(_pack({"kind": "error", "message": repr(err)}, {}))
+      raise
+    arrays = {f"g{i}.{k}": v for i, (_, trajs) in enumerate(batch)
+              for k, v in wire.group_to_arrays(trajs).items()}
+    distributed.broadcast_bytes(_pack(
+        {"kind": "batch", "group_ids": [ready.group_id for ready, _ in batch]}, arrays))
+    return batch
 
   def _check_versions(self, trajs: list[Trajectory]) -> None:
     """max |behaviour - trainer| log-prob over the batch's tokens, each recomputed with
@@ -320,7 +474,7 @@ class AsyncTrainer:
       if int(version) not in self.version_params:
         self.own_version_tokens["unchecked"] += int(mine.sum())
         continue
-      lp = np.asarray(self._score(self.version_params[int(version)], batch))
+      lp = distributed.gather(self._score(self.version_params[int(version)], batch))
       diff = np.abs(lp - batch.behaviour_logprobs)[mine]
       self.own_version_mismatch = max(self.own_version_mismatch, float(diff.max()))
       self.own_version_tokens["checked"] += int(mine.sum())
@@ -360,7 +514,8 @@ class AsyncTrainer:
     self.ties_dropped_this_update = 0
 
   def finish(self) -> None:
-    self.store.write(DONE_KEY, b"1")
+    if self.primary:
+      self.store.write(DONE_KEY, b"1")
     self.ckpt.close()
 
 
@@ -383,14 +538,19 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
   trainer.train(bar)
   rl_wall = time.perf_counter() - rl_start
   run = trainer.run
-  evals.append(sync.run_eval(run, run.version, "after"))
+  evals.append(trainer.evaluate(run.version, "after"))
   trainer.finish()
+  if not trainer.primary:  # process 0 writes the run's outputs
+    run.log.close()
+    return {"process_index": jax.process_index(), "processes": jax.process_count(),
+            "updates": trainer.updates, "steps": run.version}
   by_name = {e["name"]: e for e in evals}
   if "init" not in by_name:  # resumed: the init eval is in the first process's log
     by_name["init"] = {"name": "init", "pass1": None}
   totals = trainer.totals
   extra = trainer.extra | {
       "mode": "async", "updates": trainer.updates, "rl_wall_s": round(rl_wall, 2),
+      "processes": jax.process_count(), "devices": jax.device_count(),
       "mean_staleness": float(np.mean(totals["staleness"])) if totals["staleness"] else 0.0,
       "ttb_s": float(np.mean(totals["ttb_s"])) if totals["ttb_s"] else 0.0,
       "dropped_stale": trainer.dropped_stale, "dropped_no_signal": trainer.dropped_no_signal,
