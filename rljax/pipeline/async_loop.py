@@ -517,6 +517,8 @@ class AsyncTrainer:
     if self.primary:
       self.store.write(DONE_KEY, b"1")
     self.ckpt.close()
+    if self.multi:  # the others wait here (not in jax.distributed's shutdown, which times
+      distributed.broadcast_bytes(b"done" if self.primary else None)  # out) for the eval
 
 
 def _batch_logprobs(params, batch: TrainBatch, *, cfg, numerics, temperature, replay):
