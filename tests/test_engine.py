@@ -287,3 +287,38 @@ def test_top_p_one_never_truncates_even_when_the_rounded_mass_passes_one():
       logits, keys)
   want = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   chex.assert_trees_all_equal(behaviour, want)
+
+
+def test_dense_experts_match_the_ragged_path():
+  # The engine's fast MoE on CPU computes every expert densely (XLA:CPU expands
+  # ragged_dot that way anyway); it must give the ragged (sorted) path's outputs.
+  from rljax.model import moe  # pylint: disable=g-import-not-at-top
+  fast = Numerics("fast")
+  rng = np.random.default_rng(0)
+  t, d, e, f, k = 40, 64, 8, 32, 2
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
+  gate, up = (jnp.asarray(rng.normal(size=(d, e, f)) * 0.2, jnp.bfloat16) for _ in range(2))
+  down = jnp.asarray(rng.normal(size=(e, f, d)) * 0.2, jnp.bfloat16)
+  ids = jnp.asarray(np.stack([rng.choice(e + 2, k, replace=False) for _ in range(t)]), jnp.int32)
+  for offset in (0, 2):  # an expert-parallel shard: ids outside [offset, offset + e) are zero
+    ragged, dense = (jax.jit(lambda *a, dense=dense: moe.experts_local(
+        *a, offset, fast, dense=dense))(x, ids, gate, up, down) for dense in (False, True))
+    np.testing.assert_allclose(np.asarray(dense, np.float32), np.asarray(ragged, np.float32),
+                               atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("numerics", [DET, Numerics("fast")])
+def test_all_greedy_batches_skip_the_draw_but_not_the_result(numerics):
+  # An all-greedy batch takes the no-draw branch; a greedy slot beside a sampled one takes
+  # the drawing branch: the greedy slots' tokens and log-probs are the same bits in both.
+  rng = np.random.default_rng(1)
+  rows, vocab = 8, 64
+  logits = jnp.asarray(rng.normal(0, 3, (rows, vocab)), jnp.float32)
+  keys = sampling.token_keys(*(jnp.arange(rows, dtype=jnp.int32),) * 4)
+  zeros_i, ones = jnp.zeros(rows, jnp.int32), jnp.ones(rows, jnp.float32)
+  run = jax.jit(lambda l, t: sampling.sample(l, keys, t, zeros_i, ones, numerics))
+  all_greedy = run(logits, jnp.zeros(rows, jnp.float32))
+  mixed = run(logits, jnp.zeros(rows, jnp.float32).at[0].set(1.0))
+  chex.assert_trees_all_equal(all_greedy[0][1:], mixed[0][1:])
+  chex.assert_trees_all_equal(all_greedy[1][1:], mixed[1][1:])
+  np.testing.assert_array_equal(all_greedy[0], np.argmax(np.asarray(logits), -1))

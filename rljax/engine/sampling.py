@@ -44,9 +44,17 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
   t = jnp.where(greedy, 1.0, temperature)[:, None]
   logp = numerics.log_softmax(logits / t)  # the policy at this temperature
   truncates = ~greedy & ((top_k > 0) | (top_p < 1.0))
-  # sorting the vocabulary is the costly part on CPU: only a batch that truncates pays it
-  return jax.lax.cond(jnp.any(truncates), functools.partial(_sample_truncated, numerics=numerics),
-                      _sample_full, logp, keys, greedy, top_k, top_p)
+  # sorting the vocabulary is the costly part on CPU: only a batch that truncates pays it;
+  # an all-greedy batch draws nothing (its tokens are the argmax either way)
+  branch = jnp.where(jnp.any(truncates), 2, jnp.where(jnp.all(greedy), 0, 1))
+  return jax.lax.switch(branch, (_sample_greedy, _sample_full, functools.partial(
+      _sample_truncated, numerics=numerics)), logp, keys, greedy, top_k, top_p)
+
+
+def _sample_greedy(logp, keys, greedy, top_k, top_p):
+  del keys, greedy, top_k, top_p
+  tokens = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def _sample_full(logp, keys, greedy, top_k, top_p):

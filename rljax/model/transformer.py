@@ -142,7 +142,8 @@ def _layer(p, x, cos, sin, layer_kv, replay, ctx):
     y, ids = moe.moe_block(h.reshape(b * t, d), p["moe"], top_k=cfg.num_experts_per_tok,
                            norm_topk_prob=cfg.norm_topk_prob, numerics=ctx["numerics"],
                            sharding=sharding,
-                           replay=None if replay is None else replay.reshape(b * t, -1))
+                           replay=None if replay is None else replay.reshape(b * t, -1),
+                           dense_experts=layer_kv is not None and jax.default_backend() == "cpu")
     y, ids = y.reshape(b, t, d), ids.reshape(b, t, -1)
   else:
     y = _mlp_block(p["mlp"], h, ctx)
