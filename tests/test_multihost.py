@@ -7,9 +7,10 @@ every update it broadcasts the batch and both processes run the sharded GRPO ste
 x expert 2 across processes), publish each version writing only the shards they hold, and
 write their part of one orbax checkpoint (on gs:// too: orbax reaches it through
 etils.epath and gcsfs, pointed at the emulator by STORAGE_EMULATOR_HOST). Checked here:
-the run (summary, host exit codes, lineage, queue accounting), every version's shards
-written once and by one process, a subscriber's checksums on every delta, and the
-checkpoint: both processes' parts, restored onto another process count and layout
+the run (summary, host exit codes, lineage, queue accounting, every trained token
+re-scored on the 8-device mesh with the weights of its version: check_versions), every
+version's shards written once and by one process, a subscriber's checksums on every
+delta, and the checkpoint: both processes' parts, restored onto another process count and layout
 (fsdp 2 x expert 4 over 8 devices in reverse order, in one process) and onto one device,
 every leaf bitwise equal both ways, the params' serving bits the stream's newest version.
 
@@ -35,6 +36,7 @@ TIMEOUT = 300
 STEPS = 3
 FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
+    "--config.async_rl.check_versions=True",
     f"--config.rl.steps={STEPS}", "--config.rl.prompts_per_step=4",
     "--config.rl.group_size=4", "--config.eval.num_tasks=4", "--config.eval.n=2",
     "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=16",
@@ -70,6 +72,8 @@ def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypa
 
   with fake_gcs(BUCKET) as gcs_url:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)  # gcsfs (orbax) -> fake server
+    # no bucket-type probe through the storage-control API (the emulator has none)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     root = f"gs://{BUCKET}/runs/async"
     port = _free_port()
     procs = []
@@ -112,6 +116,8 @@ def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypa
     assert {h for l in lineage for h in l["hosts"]} == {"host0"}
     records = read_jsonl(tmp_path / "trainer0" / "metrics.jsonl")
     assert sum(r["phase"] == "async" for r in records) == STEPS
+    tokens = summary["own_version_tokens"]  # every token re-scored with its version
+    assert tokens["checked"] > 0 and tokens["unchecked"] == 0
     assert sum(r["phase"] == "eval" for r in records) == 3  # init, before, after
     assert not (tmp_path / "trainer1" / "metrics.jsonl").exists()
 
