@@ -232,7 +232,7 @@ class AsyncTrainer:
 
   def start(self, progress: Callable[..., Iterator],
             on_published: Callable[[], None] | None = None) -> list[dict]:
-    """SFT (or an SFT checkpoint) and version 0, or the latest checkpoint of this workdir;
+    """SFT (or an SFT checkpoint) and version 0, or the latest checkpoint in `self.dir`;
     `on_published` runs once weights are in the stream (before the "before" evaluation,
     so hosts starting up overlap it). Returns the evaluations run so far."""
     run, evals = self.run, []
@@ -246,7 +246,8 @@ class AsyncTrainer:
       elif self.config.sft.steps:
         sft_dir = f"{self.dir.rstrip('/')}/sft_checkpoint"
         if epath.Path(sft_dir).exists():
-          raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir")
+          raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir "
+                                "(several processes: a fresh root)")
         self.extra |= sync.sft(run, functools.partial(progress, desc="sft"))
         sync.save_params(run, sft_dir)
       self.grpo = sync.grpo_learner(run)
