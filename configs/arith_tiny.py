@@ -27,7 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.env = ml_collections.ConfigDict()
   c.env.name = "arithmetic"
   c.env.kwargs = ml_collections.ConfigDict(dict(min_digits=3, max_digits=3, ops=("+",),
-                                                held_out_fraction=0.1))
+                                                held_out_fraction=0.1, partial_credit=0.0))
+  # partial_credit 0.3 (digit-level reward for wrong answers) did not lift seed 1 over 300
+  # GRPO steps from its SFT checkpoint: held-out pass@1 0.766 vs 0.785 without
   # injected verifier latency (rljax.envs.LatencyModel; off): e.g. a long-tailed sandbox,
   # --config.env.kwargs.latency.distribution=lognormal --config.env.kwargs.latency.scale_s=0.05
   c.env.kwargs.latency = ml_collections.ConfigDict(dict(distribution="none", scale_s=0.0,

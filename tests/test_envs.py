@@ -175,6 +175,25 @@ def test_arithmetic_verify():
   np.testing.assert_array_equal(env.sft_target(task).completion_ids, ids(right + "<eos>"))
 
 
+def test_arithmetic_partial_credit():
+  env = envs.ArithmeticEnv(min_digits=3, max_digits=3, partial_credit=0.5)
+  task = next(t for t in env.prompts("train", 50, seed=0) if t.data["result"] >= 1000)
+  right = task.answer  # four digits
+  one_off = right[:-1] + str((int(right[-1]) + 1) % 10)
+  cases = {right: (Outcome.SUCCESS, 1.0),
+           one_off: (Outcome.MODEL_FAILURE, 0.5 * 3 / 4),
+           right[1:]: (Outcome.MODEL_FAILURE, 0.5 * 3 / 4),  # dropped the leading digit
+           "1" + right: (Outcome.MODEL_FAILURE, 0.5 * 4 / 5),
+           "-" + right: (Outcome.MODEL_FAILURE, 0.5 * 4 / 5),
+           "x" + right: (Outcome.MODEL_FAILURE, 0.0)}  # malformed: no credit
+  for text, (outcome, reward) in cases.items():
+    verdict = env.verify(task, ids(text + "<eos>"))
+    assert verdict.outcome == outcome and verdict.reward == pytest.approx(reward), text
+  assert envs.ArithmeticEnv().verify(task, ids(one_off + "<eos>")).reward == 0.0
+  with pytest.raises(ValueError, match="partial_credit"):
+    envs.ArithmeticEnv(partial_credit=1.0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 127), max_size=30), st.integers(0, 2))
 def test_verifiers_never_raise_on_model_ids(completion, which):

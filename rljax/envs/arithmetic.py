@@ -3,7 +3,10 @@
 Prompt "<bos>12+34=", expected completion "46<eos>". The answer is the text before the
 first EOS (surrounding spaces ignored): digits equal to the result is success (reward 1);
 wrong digits, anything that is not digits, invalid ids, or no EOS is model_failure
-(reward 0).
+(reward 0). With `partial_credit` c > 0 a wrong but well-formed integer answer earns
+c x (digit positions that match the result, aligned from the units digit) / (positions in
+the longer of the two): a dense signal for tasks no sample of a group solves (the outcome
+stays model_failure, so pass@k is unchanged).
 
 Difficulty knobs: digits per operand (uniform in [min_digits, max_digits], then the
 operand uniform among numbers of that many digits; 1 digit includes 0) and the operation
@@ -52,17 +55,29 @@ def check_int_answer(text: str | None, expected: int) -> Verdict:
   return Verdict.success(answer=text)
 
 
+def digit_match_fraction(answer: str, expected: int) -> float:
+  """Positions, aligned from the units digit, where the answer's characters equal the
+  result's, over the positions of the longer of the two (a sign counts as a position)."""
+  want = str(expected)
+  width = max(len(answer), len(want))
+  a, w = answer.rjust(width), want.rjust(width)
+  return sum(x == y for x, y in zip(a, w)) / width
+
+
 class ArithmeticEnv(BaseEnv):
   name = "arithmetic"
 
   def __init__(self, *, min_digits: int = 1, max_digits: int = 2,
-               ops: tuple[str, ...] = ("+",), **kwargs):
+               ops: tuple[str, ...] = ("+",), partial_credit: float = 0.0, **kwargs):
     super().__init__(**kwargs)
+    if not 0.0 <= partial_credit < 1.0:
+      raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
     if not 1 <= min_digits <= max_digits:
       raise ValueError("need 1 <= min_digits <= max_digits")
     if not ops or any(op not in OPS for op in ops):
       raise ValueError(f"ops must be a non-empty subset of {OPS}")
     self.min_digits, self.max_digits, self.ops = min_digits, max_digits, tuple(ops)
+    self.partial_credit = partial_credit
 
   def _sample(self, rng: np.random.Generator) -> Task:
     a = draw_operand(rng, self.min_digits, self.max_digits)
@@ -77,7 +92,12 @@ class ArithmeticEnv(BaseEnv):
     text = self._answer_text(completion_ids)
     if isinstance(text, Verdict):
       return text
-    return check_int_answer(text, task.data["result"])
+    verdict = check_int_answer(text, task.data["result"])
+    if self.partial_credit and verdict.info.get("reason") == "wrong":
+      fraction = digit_match_fraction(verdict.info["answer"], task.data["result"])
+      return Verdict.model_failure("wrong", reward=self.partial_credit * fraction,
+                                   answer=verdict.info["answer"], digits_matched=fraction)
+    return verdict
 
   def sft_target(self, task: Task) -> SFTTarget:
     return self._target(task.answer)
