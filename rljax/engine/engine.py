@@ -426,15 +426,25 @@ class DecodeEngine:
     for i, seq in enumerate(seqs):
       if seq is None:
         continue
-      for j in range(steps[i]):
-        seq.routing.append(routing[j, i])
-        seq.cached = len(seq.tokens)
-        self._append(seq, int(toks[j, i]), float(lps[j, i]))
-        done = self._finish_reason(seq, int(toks[j, i]))
-        if done is not None:
-          self.slots[i] = None
-          finished.append(self._retire(seq, done))
-          break
+      # the slot ran steps[i] steps unless it sampled a stop id first; only its last token
+      # can end it (budgets stop at the token limits)
+      n = int(steps[i])
+      if stop_ids[i, 0] >= 0:
+        hit = np.flatnonzero(np.isin(toks[:n, i], stop_ids[i][stop_ids[i] >= 0]))
+        n = int(hit[0]) + 1 if hit.size else n
+      new = toks[:n, i].tolist()
+      seq.routing += list(routing[:n, i])
+      seq.tokens += new
+      seq.logprobs += lps[:n, i].tolist()
+      seq.versions += [self.version] * n
+      seq.loss_mask += [True] * n
+      seq.turn_tokens += n
+      seq.cached = len(seq.tokens) - 1
+      self.stats["generated_tokens"] += n
+      done = self._finish_reason(seq, new[-1])
+      if done is not None:
+        self.slots[i] = None
+        finished.append(self._retire(seq, done))
       else:
         waste = (len(seq.pages) * self.page_size - seq.cached) / self.page_size
         self.max_waste_pages = max(self.max_waste_pages, waste)
