@@ -322,3 +322,33 @@ def test_all_greedy_batches_skip_the_draw_but_not_the_result(numerics):
   chex.assert_trees_all_equal(all_greedy[0][1:], mixed[0][1:])
   chex.assert_trees_all_equal(all_greedy[1][1:], mixed[1][1:])
   np.testing.assert_array_equal(all_greedy[0], np.argmax(np.asarray(logits), -1))
+
+
+@pytest.mark.parametrize("numerics", [DET, Numerics("fast")])
+def test_paged_attention_reads_only_visible_blocks_with_the_same_result(numerics):
+  # attend_paged gathers the smallest power-of-two block count covering max(q_index);
+  # masked blocks are exact no-ops, so deterministic mode gives the same bits as `attend`
+  # over every block of the table (fast mode: the same up to summation order).
+  from rljax.model import attention  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(2)
+  layers, pages, page, hkv, d, b, blocks, h = 2, 40, 16, 2, 16, 4, 7, 4
+  pool = lambda: jnp.asarray(rng.normal(size=(layers, pages, page, hkv, d)), jnp.bfloat16)
+  k_pool, v_pool = pool(), pool()
+  table = jnp.asarray(1 + rng.permutation(pages - 1)[:b * blocks].reshape(b, blocks), jnp.int32)
+  q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.bfloat16)
+  for top in (0, 15, 16, 40, 70, 111):  # 1, 1, 2, 4, 7 (of 7) blocks needed
+    q_index = jnp.asarray(np.minimum(rng.integers(0, top + 1, (b, 1)), top), jnp.int32)
+    q_index = q_index.at[0, 0].set(top).at[1, 0].set(-1)  # a padding row
+    got = jax.jit(lambda q, qi: attention.attend_paged(
+        q, k_pool, v_pool, table, qi, layer=1, dtype=jnp.bfloat16, numerics=numerics,
+        scale=0.25))(q, q_index)
+    keys, values = (attention.gather_blocks(p, table, 1, dtype=jnp.bfloat16)
+                    for p in (k_pool, v_pool))
+    want = jax.jit(lambda q, qi: attention.attend(q, keys, values, qi, page_size=page,
+                                                  numerics=numerics, scale=0.25))(q, q_index)
+    if numerics.deterministic:
+      chex.assert_trees_all_equal(got, want)
+    else:  # a fully masked row is a uniform average in fast mode: padding, not compared
+      live = np.asarray(q_index[:, 0] >= 0)
+      np.testing.assert_allclose(np.asarray(got, np.float32)[live],
+                                 np.asarray(want, np.float32)[live], atol=2e-2)

@@ -89,6 +89,39 @@ def gather_blocks(pool: jax.Array, page_table: jax.Array, layer: int | None = No
   return blocks.reshape(b, nb * pool.shape[-3], *pool.shape[-2:])
 
 
+def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
+                 q_index: jax.Array, *, layer: int | None = None, dtype, numerics: Numerics,
+                 scale: float) -> jax.Array:
+  """`attend` over the row's pages, reading only the blocks some query can see.
+
+  The gathered width is chosen on device among power-of-two block counts (1, 2, 4, ...,
+  max_blocks; a `lax.switch`, so shapes stay static and nothing recompiles): the smallest
+  that covers max(q_index). Blocks past it are masked for every query, and a masked block
+  is an exact no-op (module docstring), so the result is the same bits as over all
+  `max_blocks`; the work follows the longest live sequence, not `max_seq_len`.
+  q: [B, T, H, D]; pools: see `gather_blocks`; page_table [B, max_blocks]; q_index [B, T].
+  """
+  page_size = k_pool.shape[-3]
+  max_blocks = page_table.shape[1]
+  widths = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
+  needed = jnp.max(q_index) // page_size + 1  # padding rows (-1) need none
+  branch = jnp.clip(jnp.searchsorted(jnp.asarray(widths, jnp.int32), needed), 0,
+                    len(widths) - 1)
+
+  def over(nb):
+    def f(q, k_pool, v_pool, page_table, q_index):
+      keys = gather_blocks(k_pool, page_table[:, :nb], layer, dtype=dtype)
+      values = gather_blocks(v_pool, page_table[:, :nb], layer, dtype=dtype)
+      return attend(q, keys, values, q_index, page_size=page_size, numerics=numerics,
+                    scale=scale)
+    return f
+
+  if len(widths) == 1:
+    return over(max_blocks)(q, k_pool, v_pool, page_table, q_index)
+  return lax.switch(branch, [over(nb) for nb in widths], q, k_pool, v_pool, page_table,
+                    q_index)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
            page_size: int, numerics: Numerics, scale: float,
            q_segments: jax.Array | None = None,

@@ -92,9 +92,7 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     k_pool, v_pool, table, layer = layer_kv  # all layers' pools, updated in place
     k_pool = attention.write_pages(k_pool, k, table, ctx["positions"], layer)
     v_pool = attention.write_pages(v_pool, v, table, ctx["positions"], layer)
-    keys = attention.gather_blocks(k_pool, table, layer, dtype=k.dtype)
-    values = attention.gather_blocks(v_pool, table, layer, dtype=v.dtype)
-    q_index, segs, kv_segs = ctx["positions"], None, None
+    q_index = ctx["positions"]
     new_pools = (k_pool, v_pool)
 
   if layer_kv is not None and t == 1 and _use_decode_kernel(cfg, numerics):
@@ -104,6 +102,9 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     out = kernel.paged_attention(q[:, 0], k_layer, v_layer, table, lengths,
                                  scale=hd ** -0.5,
                                  interpret=cfg.decode_attention == "pallas_interpret")[:, None]
+  elif layer_kv is not None:
+    out = attention.attend_paged(q, *new_pools, table, q_index, layer=layer, dtype=dt,
+                                 numerics=numerics, scale=hd ** -0.5)
   else:
     out = attention.attend(q, keys, values, q_index, page_size=cfg.page_size,
                            numerics=numerics, scale=hd ** -0.5, q_segments=segs,
