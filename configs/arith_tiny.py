@@ -1,8 +1,8 @@
 """GRPO on 3-digit addition with a tiny Qwen3-MoE policy: the default learning run on CPU.
 
-SFT warm start on reference answers (constant lr after warmup, cut to 0.3x once the probe
-passes 0.5) until greedy pass@1 on 128 *train* probe tasks reaches 0.7, so GRPO starts
-from a comparable policy whatever the seed; GRPO (16 prompts x group 16, token-mean,
+SFT warm start on reference answers (constant lr after warmup; the probe runs every 10
+steps once it passes 0.5) until greedy pass@1 on 128 *train* probe tasks reaches 0.7, so
+GRPO starts from a comparable policy whatever the seed; GRPO (16 prompts x group 16, token-mean,
 clip-higher, TIS, router replay, lr 2e-4 cosine-decayed) then has to lift held-out greedy
 pass@1 to >= 0.8. `--config.numerics=deterministic` makes
 the trainer's log-probs bitwise the engine's (mismatch_max_abs 0.0)."""
@@ -42,8 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.target_pass1 = 0.7  # 0 = always run all steps
   c.sft.probe_every = 25
   c.sft.slow_down_at = 0.5  # once the probe passes this, lr *= slow_down_factor and the
-  c.sft.slow_down_factor = 0.3  # probe runs every probe_every_slow steps: at the full rate
+  c.sft.slow_down_factor = 1.0  # probe runs every probe_every_slow steps: at the full rate
   c.sft.probe_every_slow = 10  # the probe jumped 0.5 -> 0.85 between two probes
+  # slow_down_factor 1.0: only the probe gets finer. A slower end of the warm start (0.3)
+  # reached the target with a sharper policy (held-out pass@8 - pass@1 smaller) and left
+  # GRPO less to convert: seed 1 went 0.664 -> 0.785 with 0.3, 0.680 -> 0.871 with 1.0
   c.sft.probe_tasks = 128
   c.sft.batch_size = 64
   c.sft.microbatches = 1
