@@ -228,7 +228,7 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
                            num_key_value_heads=1, moe_intermediate_size=16,
                            intermediate_size=32))
   config.sft.update(dict(steps=50, probe_every=5, probe_every_slow=2, probe_tasks=4,
-                         batch_size=8, target_pass1=0.6))
+                         batch_size=8, target_pass1=0.6, slow_down_factor=0.3))
   config.eval.num_tasks = 4
   config.log.tensorboard = False
   run = sync.setup(config, str(tmp_path))
@@ -247,6 +247,16 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   assert [r["step"] for r in records if r["phase"] == "sft_slow_down"] == [10]
   np.testing.assert_allclose(learning_rates, [config.sft.learning_rate,
                                               config.sft.learning_rate * 0.3], rtol=1e-6)
+
+  # slow_down_factor 1.0 (arith_tiny's): the probe gets finer, the rate and step stay
+  config.sft.slow_down_factor = 1.0
+  run = sync.setup(config, str(tmp_path / "keep_rate"))
+  rates, learning_rates[:] = iter([0.1, 0.59, 0.6]), []
+  out = sync.sft(run)
+  assert out["sft_steps"] == 12
+  records = read_jsonl(run.log.jsonl_path)
+  assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
+  np.testing.assert_allclose(learning_rates, [config.sft.learning_rate], rtol=1e-6)
 
 
 def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatch):

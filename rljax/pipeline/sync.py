@@ -192,7 +192,8 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
       if probe_pass1 >= c.target_pass1:
         break
       if not slowed and probe_pass1 >= c.slow_down_at:
-        _, step_fn = make_step(c.slow_down_factor)
+        if c.slow_down_factor != 1.0:  # 1.0: only the probe gets finer (no recompile)
+          _, step_fn = make_step(c.slow_down_factor)
         slowed = True
         run.log.write("sft_slow_down", step, {"lr_factor": c.slow_down_factor})
   run.state = params_only(state.params)
