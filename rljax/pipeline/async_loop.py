@@ -66,21 +66,17 @@ from typing import Any, Callable, Iterator
 
 from etils import epath
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from rljax import distributed, envs
+from rljax import distributed
 from rljax.checkpoint import Checkpointer
 from rljax.engine.engine import DecodeEngine
 from rljax.pipeline import sync, wire
 from rljax.pipeline.host import DONE_KEY, HOSTS_PREFIX, QUEUE_PREFIX, check_root, stream_url
 from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
-from rljax.model import ModelConfig, count_params, forward, init_sharded
-from rljax.numerics import Numerics
-from rljax.pipeline.metrics import MetricsLogger
-from rljax.rl import learner
+from rljax.model import forward
 from rljax.rl.batch import TrainBatch, build_batch
 from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
@@ -120,19 +116,6 @@ def trainer_dir(root: str, workdir: str) -> str:
                    f"reach (gs:// or a shared file://), not {root}")
 
 
-class _NoLog:
-  """The metrics logger of processes other than 0 (process 0 owns metrics.jsonl, tb/)."""
-
-  def __init__(self, workdir: str):
-    self.workdir, self.jsonl_path = workdir, None
-
-  def write(self, phase: str, step: int, values) -> dict:
-    return {"phase": phase, "step": int(step), **values}
-
-  def close(self) -> None:
-    pass
-
-
 def _local_params(params: Any) -> Any:
   """Several processes: the serving params gathered from all of them onto process 0's
   first device (a collective: every process calls it; None except on process 0)."""
@@ -147,28 +130,15 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> sync.Run:
   if jax.process_count() == 1:
     return sync.setup(config, workdir)
   distributed.check_mesh(config.mesh.to_dict())
-  cfg = ModelConfig.from_dict(config.model.to_dict())
-  numerics = Numerics(config.numerics)
-  sharding = sync.make_sharding(config.mesh.to_dict())
-  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
-  if env.tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(f"the env's tokenizer has {env.tokenizer.vocab_size} ids, the model "
-                     f"only {cfg.vocab_size}")
-  heldout = env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
-  params = init_sharded(cfg, config.seed, sharding, dtype=jnp.float32)
-  serve = jax.jit(functools.partial(learner.serving_params, cfg=cfg))
-  state = sync.params_only(params)
-  local = _local_params(serve(state))
-  engine = None
-  if distributed.is_primary():
-    engine = DecodeEngine(cfg, local, numerics=numerics, num_slots=config.engine.num_slots,
-                          max_seq_len=config.engine.max_seq_len, eos_id=env.tokenizer.eos_id)
-    log = MetricsLogger(workdir, tensorboard=config.log.tensorboard)
-  else:
-    log = _NoLog(workdir)
-  log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
-                       "processes": jax.process_count()})
-  return sync.Run(config, cfg, numerics, sharding, env, heldout, engine, state, serve, log)
+  primary = distributed.is_primary()
+  run = sync.setup(config, workdir, engine=False, write_metrics=primary)
+  local = _local_params(run.serve(run.state))  # a collective: every process
+  if primary:
+    run.engine = DecodeEngine(run.cfg, local, numerics=run.numerics,
+                              num_slots=config.engine.num_slots,
+                              max_seq_len=config.engine.max_seq_len,
+                              eos_id=run.env.tokenizer.eos_id)
+  return run
 
 
 def _pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:

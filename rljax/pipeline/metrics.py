@@ -22,6 +22,20 @@ def _number(v: Any) -> float | int | None:
   return bool(v) if v.dtype.kind == "b" else v.item()
 
 
+class NullLogger:
+  """MetricsLogger's interface, writing nothing: the logger of trainer processes other than
+  0 (process 0 owns metrics.jsonl and tb/)."""
+
+  def __init__(self, workdir: str):
+    self.workdir, self.jsonl_path = workdir, None
+
+  def write(self, phase: str, step: int, values: Mapping[str, Any]) -> dict:
+    return {"phase": phase, "step": int(step), **values}
+
+  def close(self) -> None:
+    pass
+
+
 class MetricsLogger:
   """Writes `<workdir>/metrics.jsonl` and TensorBoard events under `<workdir>/tb`."""
 

@@ -40,7 +40,7 @@ from rljax.model import ModelConfig, count_params, init_sharded
 from rljax.model.packing import aligned_length
 from rljax.numerics import Numerics
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
-from rljax.pipeline.metrics import MetricsLogger, plot_reward_curve, read_jsonl
+from rljax.pipeline.metrics import MetricsLogger, NullLogger, plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
@@ -115,7 +115,11 @@ class Run:
                 num_rows=rows_for(num_seqs, self.max_seq_len, row_len, self.cfg.page_size))
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+def setup(config: ml_collections.ConfigDict, workdir: str, *, engine: bool = True,
+          write_metrics: bool = True) -> Run:
+  """The run's model, env, initial params, engine and metrics logger. `engine=False`: no
+  DecodeEngine (a trainer of several processes builds one on process 0 only);
+  `write_metrics=False`: records are made but not written (processes other than 0)."""
   cfg = ModelConfig.from_dict(config.model.to_dict())
   numerics = Numerics(config.numerics)
   sharding = make_sharding(config.mesh.to_dict())
@@ -127,12 +131,17 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   params = init_sharded(cfg, config.seed, sharding, dtype=jnp.float32)
   serve = jax.jit(functools.partial(learner.serving_params, cfg=cfg))
   state = params_only(params)
-  engine = DecodeEngine(cfg, serve(state), numerics=numerics,
-                        num_slots=config.engine.num_slots, max_seq_len=config.engine.max_seq_len,
-                        eos_id=env.tokenizer.eos_id, sharding=sharding)
-  log = MetricsLogger(workdir, tensorboard=config.log.tensorboard)
-  log.write("run", 0, {"params": count_params(params), "devices": len(jax.devices())})
-  return Run(config, cfg, numerics, sharding, env, heldout, engine, state, serve, log)
+  decode = None
+  if engine:
+    decode = DecodeEngine(cfg, serve(state), numerics=numerics,
+                          num_slots=config.engine.num_slots,
+                          max_seq_len=config.engine.max_seq_len, eos_id=env.tokenizer.eos_id,
+                          sharding=sharding)
+  log = (MetricsLogger(workdir, tensorboard=config.log.tensorboard) if write_metrics
+         else NullLogger(workdir))
+  log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
+                       "processes": jax.process_count()})
+  return Run(config, cfg, numerics, sharding, env, heldout, decode, state, serve, log)
 
 
 def run_eval(run: Run, step: int, name: str) -> dict:
