@@ -38,6 +38,19 @@ def test_notebook_outputs_are_stripped(path):
   assert 'find_spec("rljax")' in first.source and "pip" in first.source  # Colab install
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_colab_install_cell_asks_for_the_repo_url(path, monkeypatch):
+  """Where rljax is not importable and REPO_URL is left empty the cell stops with a clear
+  error (it does not pip-install a placeholder)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  first = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+  monkeypatch.setattr(subprocess, "check_call", lambda *a, **k: pytest.fail("pip ran"))
+  with pytest.raises(RuntimeError, match="set REPO_URL"):
+    exec(first.source, {})  # pylint: disable=exec-used
+
+
 def _venv_kernel(tmp_path):
   """A kernelspec that starts ipykernel with this interpreter, whatever else is installed."""
   spec_dir = tmp_path / "kernels" / "rljax-test"
