@@ -121,8 +121,19 @@ def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cf
   assert eng.idle and not eng.parked and eng.pool.used_count == 0
 
 
+@pytest.fixture(scope="module")
+def echo_episodes_with_room(tiny_cfg, tiny_params):
+  """The deadlock test's reference: its episodes on an engine with pages to spare (the
+  env's step delay changes no episode, so the three cases share it)."""
+  env = _EchoTool()
+  roomy = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
+  return generate_groups(roomy, env, env.prompts("train", 6, seed=0), group_size=4, seed=5,
+                         sampling=SamplingParams(max_new_tokens=5))
+
+
 @pytest.mark.parametrize("step_delay_s,steps_per_call", [(0.0, 8), (0.01, 8), (0.0, 1)])
 def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, tiny_params,
+                                                                    echo_episodes_with_room,
                                                                     step_delay_s,
                                                                     steps_per_call):
   # Continuations queued by extend() hold their pages while they wait; with the pool
@@ -137,11 +148,9 @@ def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, ti
   sp = SamplingParams(max_new_tokens=5)
   small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9,
                   steps_per_call=steps_per_call)
-  roomy = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
   a = generate_groups(small, env, tasks, group_size=4, seed=5, sampling=sp)
-  b = generate_groups(roomy, env, tasks, group_size=4, seed=5, sampling=sp)
-  assert small.stats["preemptions"] > 0
-  for ga, gb in zip(a, b):
+  assert small.stats["preemptions"] > 0 and len(a) == len(echo_episodes_with_room)
+  for ga, gb in zip(a, echo_episodes_with_room):
     for ta, tb in zip(ga.trajectories, gb.trajectories):
       chex.assert_trees_all_equal(ta.tokens, tb.tokens)
       chex.assert_trees_all_equal(ta.behaviour_logprobs, tb.behaviour_logprobs)
@@ -249,8 +258,8 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
                                               config.sft.learning_rate * 0.3], rtol=1e-6)
 
   # slow_down_factor 1.0 (arith_tiny's): the probe gets finer, the rate and step stay
-  config.sft.slow_down_factor = 1.0
-  run = sync.setup(config, str(tmp_path / "keep_rate"))
+  config.sft.slow_down_factor = 1.0  # run.config is this config
+  run.log = MetricsLogger(str(tmp_path / "keep_rate"), tensorboard=False)
   rates, learning_rates[:] = iter([0.1, 0.59, 0.6]), []
   out = sync.sft(run)
   assert out["sft_steps"] == 12
