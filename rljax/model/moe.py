@@ -69,20 +69,18 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  if dense and not numerics.deterministic:
+  if dense or numerics.deterministic:  # every local expert for every token, slots picked
     g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
     u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
     hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
-    # f32 operands (bf16 products are exact in f32): XLA:CPU has no bf16 batched dot thunk
-    y_all = jnp.einsum("tef,efd->ted", hidden.astype(jnp.float32),
-                       down.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
-    y = jnp.take_along_axis(y_all, jnp.clip(local, 0, e_local - 1)[..., None], axis=1)
-  elif numerics.deterministic:
-    g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
-    u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
-    hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
-    # one plain 2-D dot per expert: a batched dot's kernel (and rounding) is XLA's choice
-    y_all = jnp.stack([numerics.matmul(hidden[:, e], down[e]) for e in range(e_local)], axis=1)
+    if numerics.deterministic:
+      # one plain 2-D dot per expert: a batched dot's kernel (and rounding) is XLA's choice
+      y_all = jnp.stack([numerics.matmul(hidden[:, e], down[e]) for e in range(e_local)],
+                        axis=1)
+    else:
+      # f32 operands (bf16 products are exact in f32): XLA:CPU has no bf16 batched dot thunk
+      y_all = jnp.einsum("tef,efd->ted", hidden.astype(jnp.float32),
+                         down.astype(x.dtype).astype(jnp.float32))
     y = jnp.take_along_axis(y_all.astype(x.dtype), jnp.clip(local, 0, e_local - 1)[..., None],
                             axis=1)
   else:
