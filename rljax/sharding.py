@@ -9,9 +9,11 @@ costs more than the memory it saves).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
+from flax.linen import partitioning as flax_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
@@ -69,19 +71,24 @@ class Sharding:
     return self.mesh.shape[mesh_axis]
 
   def spec(self, logical: LogicalAxes, *, gathered: bool = False) -> P:
-    """PartitionSpec for logical axes; `gathered` drops `fsdp` (weights at use)."""
+    """PartitionSpec for logical axes (flax's logical partitioning over this mesh's
+    rules); `gathered` drops `fsdp` (weights at use). Mesh axes of size 1 are left out,
+    and a mesh axis shards at most one dimension (the first rule that claims it)."""
     table = dict(self.rules)
-    out, used = [], set()
     for name in logical:
-      axes = table.get(name) if name is not None else None
       if name is not None and name not in table:
         raise KeyError(f"logical axis {name!r} has no rule; add it to rljax.sharding.RULES")
+    return P(*flax_partitioning.logical_to_mesh_axes(logical, self._mesh_rules(gathered)))
+
+  @functools.lru_cache(maxsize=None)
+  def _mesh_rules(self, gathered: bool) -> tuple[tuple[str, Any], ...]:
+    """The rules with this mesh's size-1 axes (and fsdp, when gathered) removed."""
+    out = []
+    for name, axes in self.rules:
       axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-      axes = tuple(a for a in axes
-                   if a not in used and self.mesh.shape[a] > 1 and not (gathered and a == "fsdp"))
-      used.update(axes)
-      out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return P(*out)
+      axes = tuple(a for a in axes if self.mesh.shape[a] > 1 and not (gathered and a == "fsdp"))
+      out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(out)
 
   def named(self, logical: LogicalAxes, *, gathered: bool = False) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(logical, gathered=gathered))

@@ -50,3 +50,10 @@ def test_unknown_axes_and_bad_meshes_are_rejected():
     sharding_lib.make_mesh({"data": 2})  # one CPU device here
   mesh = sharding_lib.make_mesh(None)
   assert dict(mesh.shape) == {"data": jax.device_count(), "fsdp": 1, "expert": 1, "model": 1}
+
+
+def test_a_mesh_axis_shards_one_dimension_the_first_rule_claims_it():
+  # flax's logical partitioning: rules are claimed in table order ("vocab" before "heads"),
+  # and a mesh axis shards at most one dimension of an array
+  assert _spec(sharding_lib.RULES, ("heads", "vocab")) == P(None, "model")
+  assert _spec(sharding_lib.RULES, ("batch", "expert")) == P(("data", "fsdp", "expert"), None)
