@@ -91,9 +91,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.async_rl = ml_collections.ConfigDict(dict(hosts=2, host_groups=8, max_staleness=2,
                                               lease_s=120.0, lease_ttl_s=15.0, poll_s=0.02,
                                               keyframe_every=10, checkpoint_every=50,
-                                              check_versions=False, weight_update="keep",
+                                              check_versions_groups=2, weight_update="keep",
                                               batch_timeout_s=600.0))
-  # check_versions: the trainer recomputes each token's log-prob with the weights of the
-  # version that sampled it (0.0 in deterministic mode with weight_update="recompute":
-  # hosts then recompute running sequences' KV when new weights arrive)
+  # check_versions_groups: groups of each batch whose every token the trainer re-scores
+  # with the weights of the version that sampled it (the summary's
+  # own_version_mismatch_max_abs; 0 = off): 0.0 in deterministic mode with
+  # weight_update="recompute" (hosts then recompute running sequences' KV when new
+  # weights arrive)
   return c

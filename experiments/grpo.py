@@ -1,4 +1,4 @@
-"""Synchronous GRPO: SFT warm start -> GRPO with the in-process DecodeEngine -> held-out eval.
+"""Lockstep GRPO: SFT warm start -> GRPO with the in-process DecodeEngine -> held-out eval.
 
   python experiments/grpo.py --config=configs/arith_tiny.py --workdir=/tmp/arith \
       --config.seed=1 --config.rl.group_size=16
@@ -10,7 +10,6 @@ the SFT checkpoint. The last line printed is one JSON object: held-out pass@1 be
 
 import rljax  # noqa: F401  (XLA flags first)
 
-import json
 import sys
 import tempfile
 
@@ -20,7 +19,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from rljax import distributed
-from rljax.pipeline.sync import run_experiment
+from rljax.pipeline.lockstep import run_experiment
+from rljax.pipeline.metrics import json_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
                                           lock_config=True)
@@ -34,7 +34,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
-  distributed.require_one_process("the synchronous loop runs its DecodeEngine in the "
+  distributed.require_one_process("the lockstep loop runs its DecodeEngine in the "
                                   "trainer process")
   config = _CONFIG.value
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_")
@@ -42,7 +42,7 @@ def main(argv):
   bar = (lambda it, desc: tqdm(it, desc=desc, file=sys.stderr, mininterval=2.0)) \
       if _PROGRESS.value else None
   summary = run_experiment(config, workdir, progress=bar)
-  print(json.dumps(summary | {"workdir": workdir}), flush=True)
+  print(json_line(summary | {"workdir": workdir}), flush=True)
 
 
 if __name__ == "__main__":

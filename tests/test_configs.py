@@ -72,3 +72,46 @@ def test_qwen3_235b_a22b_parameter_counts():
 def test_unknown_model_key_is_rejected():
   with pytest.raises(ValueError, match="unknown model config keys"):
     ModelConfig.from_dict({**_load("tiny_moe").model.to_dict(), "num_expert": 4})
+
+
+def test_build_names_a_missing_misspelled_or_short_block():
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import ASYNC_TRAINER, ConfigError, build
+  config = arith_tiny.get_config()
+  built = build(config, ASYNC_TRAINER)
+  assert built.env.name == "arithmetic" and built.loss.tis and built.sampling.max_new_tokens == 6
+  assert built.cfg.decode_attention != "auto"  # backend choices resolved once, here
+  misspelled = arith_tiny.get_config()
+  misspelled.async_lr = misspelled.async_rl
+  with pytest.raises(ConfigError, match=r"unknown config block\(s\) \['async_lr'\]"):
+    build(misspelled)
+  missing = arith_tiny.get_config()
+  del missing["async_rl"]
+  build(missing)  # the lockstep loop does not need it
+  with pytest.raises(ConfigError, match="no 'async_rl' block"):
+    build(missing, ASYNC_TRAINER)
+  short = arith_tiny.get_config()
+  del short.rl["dynamic_sampling_rounds"]
+  with pytest.raises(ConfigError, match=r"config.rl is missing \['dynamic_sampling_rounds'\]"):
+    build(short)
+  bad_loss = arith_tiny.get_config()
+  bad_loss.rl.loss.aggregation = "mean"
+  with pytest.raises(ConfigError, match="config.rl.loss: aggregation must be"):
+    build(bad_loss)
+  bad_mesh = arith_tiny.get_config()
+  bad_mesh.mesh.tensor = 2
+  with pytest.raises(ConfigError, match=r"config.mesh has unknown axes \['tensor'\]"):
+    build(bad_mesh)
+  small_vocab = arith_tiny.get_config()
+  small_vocab.model.vocab_size = 8
+  with pytest.raises(ConfigError, match="tokenizer has .* ids"):
+    build(small_vocab)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_builds_what_it_has_blocks_for(name):
+  from rljax.pipeline.run import BLOCKS, build  # pylint: disable=import-outside-toplevel
+  config = _load(name)
+  needs = [b for b in BLOCKS if b in config]
+  built = build(config, needs, devices=False)
+  assert built.cfg.num_hidden_layers == config.model.num_hidden_layers

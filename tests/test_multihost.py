@@ -8,7 +8,7 @@ x expert 2 across processes), publish each version writing only the shards they 
 write their part of one orbax checkpoint (on gs:// too: orbax reaches it through
 etils.epath and gcsfs, pointed at the emulator by STORAGE_EMULATOR_HOST). Checked here:
 the run (summary, host exit codes, lineage, queue accounting, every trained token
-re-scored on the 8-device mesh with the weights of its version: check_versions), every
+re-scored on the 8-device mesh with the weights of its version: check_versions_groups), every
 version's shards written once and by one process, a subscriber's checksums on every
 delta, and the checkpoint: both processes' parts, restored onto another process count and layout
 (fsdp 2 x expert 4 over 8 devices in reverse order, in one process) and onto one device,
@@ -36,7 +36,7 @@ TIMEOUT = 300
 STEPS = 3
 FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
-    "--config.async_rl.check_versions=True",
+    "--config.async_rl.check_versions_groups=1000",
     f"--config.rl.steps={STEPS}", "--config.rl.prompts_per_step=4",
     "--config.rl.group_size=4", "--config.eval.num_tasks=4", "--config.eval.n=2",
     "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=16",
@@ -229,20 +229,22 @@ def test_single_process_is_a_noop():
 def test_several_processes_need_a_mesh_of_every_device_and_a_shared_root(monkeypatch):
   import jax
   from rljax import distributed
-  from rljax.pipeline import async_loop
+  from rljax.pipeline import async_loop, layout
+  from rljax.pipeline.run import ASYNC_TRAINER, build
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "device_count", lambda: 8)
   distributed.check_mesh({"fsdp": 4, "expert": 2, "data": 1})
   with pytest.raises(ValueError, match=r"has 4 devices but the 2 processes hold 8"):
     distributed.check_mesh({"fsdp": 4})
-  assert async_loop.trainer_dir("gs://b/run/", "/w") == "gs://b/run/trainer"
-  assert async_loop.trainer_dir("file:///shared/run", "/w") == "/shared/run/trainer"
+  assert layout.trainer_dir("gs://b/run/", "/w") == "gs://b/run/trainer"
+  assert layout.trainer_dir("file:///shared/run", "/w") == "/shared/run/trainer"
   with pytest.raises(ValueError, match="needs a root they all reach"):
-    async_loop.trainer_dir("memory://run", "/w")
+    layout.trainer_dir("memory://run", "/w")
   config = _config()
   config.mesh.update({"fsdp": 8})
   with pytest.raises(ValueError, match="SFT without probes"):  # arith_tiny probes its SFT
-    async_loop.AsyncTrainer(config, "/nonexistent", "gs://b/run")
+    async_loop.AsyncTrainer(build(config, ASYNC_TRAINER, devices=False), "/nonexistent",
+                            "gs://b/run")
 
 
 if __name__ == "__main__":

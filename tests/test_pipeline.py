@@ -21,7 +21,7 @@ from rljax.numerics import Numerics
 from rljax.pipeline.evaluate import evaluate, pass_at_k
 from rljax.pipeline.metrics import MetricsLogger, plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
-from rljax.pipeline.sync import rows_for
+from rljax.pipeline.core import rows_for
 from rljax.rl.trajectory import Outcome
 
 DET = Numerics("deterministic")
@@ -231,7 +231,8 @@ def test_grpo_experiment_end_to_end_and_deterministic_mode_has_zero_mismatch(tmp
 
 def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypatch):
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import sync  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, moe_intermediate_size=16,
@@ -240,14 +241,14 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
                          batch_size=8, target_pass1=0.6, slow_down_factor=0.3))
   config.eval.num_tasks = 4
   config.log.tensorboard = False
-  run = sync.setup(config, str(tmp_path))
+  run = core.setup(build(config), str(tmp_path))
   rates = iter([0.1, 0.59, 0.6, 0.9])
-  monkeypatch.setattr(sync, "success_rate", lambda groups: next(rates))
+  monkeypatch.setattr(core, "success_rate", lambda groups: next(rates))
   learning_rates = []  # the schedule of every optimizer built, read at step 100
-  make_optimizer = sync.learner.make_optimizer
-  monkeypatch.setattr(sync.learner, "make_optimizer", lambda lr, **kw: (
+  make_optimizer = core.learner.make_optimizer
+  monkeypatch.setattr(core.learner, "make_optimizer", lambda lr, **kw: (
       learning_rates.append(float(lr(100))), make_optimizer(lr, **kw))[1])
-  out = sync.sft(run)
+  out = core.sft(run)
   assert out["sft_steps"] == 12 and out["sft_train_probe_pass1"] == 0.6
   records = read_jsonl(run.log.jsonl_path)
   assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
@@ -261,7 +262,7 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   config.sft.slow_down_factor = 1.0  # run.config is this config
   run.log = MetricsLogger(str(tmp_path / "keep_rate"), tensorboard=False)
   rates, learning_rates[:] = iter([0.1, 0.59, 0.6]), []
-  out = sync.sft(run)
+  out = core.sft(run)
   assert out["sft_steps"] == 12
   records = read_jsonl(run.log.jsonl_path)
   assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
@@ -270,8 +271,9 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
 
 def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatch):
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import sync  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline.rollout import Group  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.rollout import Group
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel  # pylint: disable=import-outside-toplevel
   from rljax.rl.trajectory import FinishReason, Trajectory  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -280,7 +282,7 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
   config.rl.update(dict(steps=3, prompts_per_step=3, group_size=2, dynamic_sampling_rounds=3))
   config.eval.update(dict(num_tasks=4, every=0))
   config.log.tensorboard = False
-  run = sync.setup(config, str(tmp_path))
+  run = core.setup(build(config), str(tmp_path))
   # per generate_groups call, whether each drawn group has signal (rewards [1, 0]) or ties
   script = iter([[1, 0, 0, 1, 0, 0], [0, 0], [0, 1],  # step 1: 2 kept, none, then 1
                  [1, 1, 1, 1, 1, 1],  # step 2: the first round fills the batch
@@ -304,13 +306,56 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
     return groups
 
   trained = []
-  monkeypatch.setattr(sync, "generate_groups", fake_generate)
-  monkeypatch.setattr(sync, "train_on_groups", lambda run, learner, groups: (
-      trained.append([sync.has_signal(g) for g in groups]), {"loss": 0.0})[1])
-  sync.grpo(run)
+  monkeypatch.setattr(lockstep, "generate_groups", fake_generate)
+  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
+      trained.append([core.has_signal(g) for g in groups]), {"loss": 0.0})[1])
+  lockstep.grpo(run)
   assert trained == [[True] * 3, [True] * 3, [False] * 3]
   assert calls == [(0, 6), (6, 2), (8, 2), (10, 6), (16, 6), (22, 6), (28, 6)]  # ids unique
   records = [r for r in read_jsonl(run.log.jsonl_path) if r["phase"] == "grpo"]
   assert [r["groups_sampled"] for r in records] == [10, 6, 18]
   # success over every sampled episode, not only the trained ones
   assert records[0]["success_frac"] == pytest.approx(3 / 20)
+
+
+def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_path):
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.fidelity import VersionCheck  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.metrics import RunningMax, json_line  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.numerics = "deterministic"
+  config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, moe_intermediate_size=16,
+                           intermediate_size=32))
+  config.rl.update(dict(prompts_per_step=2, group_size=2))
+  config.eval.num_tasks = 2
+  config.log.tensorboard = False
+  run = core.setup(build(config), str(tmp_path))
+  learner = core.grpo_learner(run)
+  check = VersionCheck(run, groups=2, keep_versions=3)
+  check.hold(0, run.serve(run.state))
+  groups = [g.trajectories for g in generate_groups(
+      run.engine, run.env, run.env.prompts("train", 2, 0), group_size=2,
+      sampling=run.built.sampling, seed=0)]
+  check.check(groups)
+  assert check.mismatch.value == 0.0 and check.mismatch.tokens > 0  # deterministic: exact
+  poisoned = [list(g) for g in groups]
+  lp = poisoned[1][1].behaviour_logprobs.copy()
+  lp[np.flatnonzero(poisoned[1][1].loss_mask)[-1]] = np.nan
+  poisoned[1][1] = dataclasses.replace(poisoned[1][1], behaviour_logprobs=lp)
+  check.check(poisoned)
+  assert np.isnan(check.mismatch.value)  # max(0.0, nan) would have said 0.0
+  metrics = core.train_on_groups(run, learner, poisoned)  # version 0 sampled them all
+  assert metrics["mismatch_tokens"] > 0 and np.isnan(metrics["mismatch_max_abs"])
+  assert np.isnan(run.mismatch.value)
+  # version 1 sampled none of these tokens: no figure, not 0.0
+  metrics = core.train_on_groups(run, learner, groups)
+  assert metrics["mismatch_tokens"] == 0 and "mismatch_max_abs" not in metrics
+  assert np.isnan(run.mismatch.value)  # a NaN stays
+  empty = RunningMax()
+  empty.add(0.5, 0)
+  assert empty.value is None and empty.tokens == 0
+  assert json_line({"m": float("nan"), "n": None}) == '{"m": "NaN", "n": null}'

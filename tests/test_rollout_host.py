@@ -21,13 +21,18 @@ from rljax.engine.engine import DecodeEngine
 from rljax.model import ModelConfig, init_params
 from rljax.numerics import Numerics
 from rljax.pipeline import wire
-from rljax.pipeline.host import (DONE_KEY, RolloutHost, RunOver, sampling_params, status_key,
-                                 stream_url)
+from rljax.pipeline.host import RolloutHost, RunOver
+from rljax.pipeline.layout import DONE_KEY, status_key, stream_url
 from rljax.pipeline.rollout import EpisodeRunner, generate_groups
+from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient, QueueConfig, QueueOwner
-from rljax.sync import Publisher, Store
+from rljax.sync import Publisher, Store, StreamError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def sampling_params(config):
+  return build(config, ROLLOUT_HOST).sampling
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
 GROUP = 4
@@ -305,3 +310,39 @@ def test_rollout_host_process_serves_groups_and_exits_on_done(tmp_path):
   want = reference_groups(config, cfg, p0, env, tasks, first_id=100)
   for i, gid in enumerate([100, 101]):
     assert_same_group(wire.group_from_arrays(ready[gid].arrays, gid), want[i].trajectories)
+
+
+def test_host_survives_a_bad_version_and_moves_on_at_the_next_good_one(monkeypatch):
+  config = small_config()
+  params = [params_of(config, seed)[1] for seed in range(3)]
+  ctx, root = ts.Context(), "memory://bad-version"
+  stream = Store.open(stream_url(root), ctx)
+  pub = Publisher(stream, keyframe_every=10)
+  pub.publish(params[0], 0)
+  host = RolloutHost(root, config, "h0", context=ctx)
+  pub.publish(params[1], 1)
+  stream.write("manifests/000000000001.json", b'["not a manifest"]')  # parses, wrong type
+  for _ in range(3):
+    assert host.run_once()
+  assert host.engine.version == 0 and host.sub.version == 0
+  status = host.status()
+  assert status["stream_errors"] >= 3 and "not an object" in status["last_stream_error"]
+
+  def broken_poll():
+    raise StreamError("unreadable")
+
+  monkeypatch.setattr(host.sub, "poll", broken_poll)
+  assert host.run_once() and host.status()["last_stream_error"] == "poll: unreadable"
+  monkeypatch.undo()
+  pub.keyframe_every = 2  # version 2 is a keyframe: the way around the bad version 1
+  assert pub.publish(params[2], 2).keyframe
+  assert host.run_once() and host.engine.version == 2
+  chex.assert_trees_all_equal(host.sub.params, params[2])
+  assert all(x is y for x, y in zip(jax.tree.leaves(host.engine.params),
+                                    jax.tree.leaves(host.sub.params)))
+  host.close()
+  assert json.loads(store_of(root, ctx).read(status_key("h0")))["stream_errors"] >= 4
+
+
+def store_of(root, ctx):
+  return Store.open(root, ctx)

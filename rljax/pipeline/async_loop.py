@@ -24,15 +24,13 @@ a keyframe). The queue resumes from its own state (`QueueOwner.open`): no group 
 trained twice. Groups trained after the checkpoint lost their update with the dead
 trainer: their tasks go back into the queue as new groups.
 
-Fidelity: with `async_rl.check_versions` the trainer keeps the serving params of the
-versions a batch may hold and recomputes every token's log-prob with the weights of the
-version that sampled it (`own_version_mismatch_max_abs`): exactly 0.0 in deterministic
-numerics when hosts recompute running sequences' KV on a weight update
-(`async_rl.weight_update="recompute"`; with "keep", a token sampled after an update saw
-keys and values of the older weights); fast mode reports the mismatch.
+Fidelity: `async_rl.check_versions_groups` groups of every batch are re-scored with the
+weights of the version that sampled each token (rljax.pipeline.fidelity): the summary's
+`own_version_mismatch_max_abs`, with the tokens it covers. The learner's `mismatch_max_abs`
+covers only tokens of the version being trained, often none in an async run (then null).
 
-<workdir>/trained_groups.jsonl lists the group ids, hosts and tasks of every update of
-the run's lineage (a restart cuts it back to its checkpoint).
+The lineage (rljax.pipeline.lineage, <workdir>/trained_groups.jsonl) lists the group ids,
+hosts and tasks of every update (a restart cuts it back to its checkpoint).
 
 Metrics per update (JSONL + TensorBoard, phase "async"): ttb_s (seconds from asking for a
 batch to having it: time-to-trainable-batch; all of it is trainer stall), train_s,
@@ -53,31 +51,29 @@ a DecodeEngine on its first device fed the serving params gathered from all proc
 probes (`sft.target_pass1 = 0`); probes would need an engine on every process.
 """
 
+
 from __future__ import annotations
 
-import dataclasses
 import functools
-import io
 import itertools
-import json
 import os
 import time
 from typing import Any, Callable, Iterator
 
-from etils import epath
 import jax
 import ml_collections
 import numpy as np
 
 from rljax import distributed
 from rljax.checkpoint import Checkpointer
-from rljax.engine.engine import DecodeEngine
-from rljax.pipeline import sync, wire
-from rljax.pipeline.host import DONE_KEY, HOSTS_PREFIX, QUEUE_PREFIX, check_root, stream_url
-from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
+from rljax.pipeline import core, npz, wire
+from rljax.pipeline.fidelity import VersionCheck
+from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, read_host_status,
+                                   stream_url, trainer_dir)
+from rljax.pipeline.lineage import Lineage
+from rljax.pipeline.metrics import host_metrics, plot_reward_curve, read_jsonl
+from rljax.pipeline.run import ASYNC_TRAINER, Built, build
 from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
-from rljax.model import forward
-from rljax.rl.batch import TrainBatch, build_batch
 from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
 from rljax.sync.store import Store
@@ -89,74 +85,61 @@ def group_staleness(version: int, trajs: list[Trajectory]) -> int:
   return version - min(oldest) if oldest else 0
 
 
-def read_host_status(store: Store) -> dict[str, dict]:
-  keys = [k for k in store.list(HOSTS_PREFIX) if k.endswith(".json")]
-  out = {}
-  for key, raw in zip(keys, store.read_many(keys)):
-    if raw is not None:
-      try:
-        status = json.loads(raw)
-        out[status.get("host_id", key)] = status
-      except ValueError:
-        continue  # a torn write on a store without atomic objects: read it next time
-  return out
-
-
-def trainer_dir(root: str, workdir: str) -> str:
-  """Where the trainer's orbax checkpoints (`checkpoints/`, `sft_checkpoint/`) go: its
-  workdir for one process; for several, `<root>/trainer`, which all of them reach."""
-  if jax.process_count() == 1:
-    return os.path.abspath(workdir)
-  root = check_root(root).rstrip("/")
-  if root.startswith("gs://"):
-    return f"{root}/trainer"
-  if root.startswith("file://"):
-    return os.path.join(root[len("file://"):], "trainer")
-  raise ValueError(f"a trainer of {jax.process_count()} processes needs a root they all "
-                   f"reach (gs:// or a shared file://), not {root}")
-
-
-def _local_params(params: Any) -> Any:
+def gathered_params(params: Any) -> Any:
   """Several processes: the serving params gathered from all of them onto process 0's
   first device (a collective: every process calls it; None except on process 0)."""
   gathered = distributed.gather(params)
   return jax.device_put(gathered, jax.local_devices()[0]) if distributed.is_primary() else None
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> sync.Run:
-  """`sync.setup`, for one trainer process or several. Several: the state on config.mesh
+def setup(built: Built, workdir: str) -> core.Run:
+  """`core.setup`, for one trainer process or several. Several: the state on config.mesh
   over every device of the job, a DecodeEngine (evaluations) on process 0's first device
   only, metrics from process 0 only."""
   if jax.process_count() == 1:
-    return sync.setup(config, workdir)
-  distributed.check_mesh(config.mesh.to_dict())
+    return core.setup(built, workdir)
   primary = distributed.is_primary()
-  run = sync.setup(config, workdir, engine=False, write_metrics=primary)
-  local = _local_params(run.serve(run.state))  # a collective: every process
+  run = core.setup(built, workdir, engine=False, write_metrics=primary)
+  local = gathered_params(run.serve(run.state))  # a collective: every process
   if primary:
-    run.engine = DecodeEngine(run.cfg, local, numerics=run.numerics,
-                              num_slots=config.engine.num_slots,
-                              max_seq_len=config.engine.max_seq_len,
-                              eos_id=run.env.tokenizer.eos_id)
+    run.engine = built.make_engine(local)
   return run
 
 
-def _pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
-  buf = io.BytesIO()
-  np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
-  return buf.getvalue()
-
-
-def _unpack(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-  with np.load(io.BytesIO(data), allow_pickle=False) as z:
-    arrays = {k: z[k] for k in z.files}
-  return json.loads(arrays.pop("header").tobytes()), arrays
+def share_groups(take: Callable[[], list]) -> list[tuple[Any, list[Trajectory]]]:
+  """The batch `take()` returns on process 0, on every process: the others get `(None,
+  trajectories)` pairs decoded from the same `wire` arrays, or raise when take() raised
+  on process 0 (it sends them the error before raising it)."""
+  if jax.process_count() == 1:
+    return take()
+  if not distributed.is_primary():
+    header, arrays = npz.decode(distributed.broadcast_bytes(None))
+    if header["kind"] == "error":
+      raise RuntimeError(f"trainer process 0 failed: {header['message']}")
+    return [(None, wire.group_from_arrays(
+        {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(f"g{i}.")}, gid))
+            for i, gid in enumerate(header["group_ids"])]
+  try:
+    batch = take()
+  except BaseException as err:
+    distributed.broadcast_bytes(npz.encode({"kind": "error", "message": repr(err)}, {}))
+    raise
+  arrays = {f"g{i}.{k}": v for i, (_, trajs) in enumerate(batch)
+            for k, v in wire.group_to_arrays(trajs).items()}
+  distributed.broadcast_bytes(npz.encode(
+      {"kind": "batch", "group_ids": [ready.group_id for ready, _ in batch]}, arrays))
+  return batch
 
 
 class AsyncTrainer:
-  """One async run's trainer side; `run_async` drives it (on every trainer process)."""
+  """One async run's trainer side; `run_async` drives it (on every trainer process).
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, root: str):
+  Its parts: admission (`_top_up`, the queue's max_outstanding), the batch filters
+  (`_take_batch`: staleness, dynamic-sampling ties), publishing, checkpoints and resume;
+  the lineage, the version check and the batch broadcast are their own pieces."""
+
+  def __init__(self, built: Built, workdir: str, root: str):
+    config = built.config
     self.config, self.root = config, root
     self.a, self.rl = config.async_rl, config.rl
     self.multi = jax.process_count() > 1
@@ -168,9 +151,10 @@ class AsyncTrainer:
             f"{jax.process_count()} trainer processes run SFT without probes only: set "
             "--config.sft.target_pass1=0, or --config.sft.load=DIR (an SFT checkpoint)")
     self.dir = trainer_dir(root, workdir)
-    self.run = setup(config, workdir)
+    self.run = setup(built, workdir)
     self.store = Store.open(check_root(root))
     self.ckpt = Checkpointer(f"{self.dir.rstrip('/')}/checkpoints", keep_last=2)
+    self.lineage = Lineage(self.run.log.workdir)
     if self.multi:  # gloo (CPU) gives the first collective of a device set 30 s to gather
       distributed.broadcast_bytes(b"ready" if self.primary else None)  # everyone: now
     self.publish_times: dict[int, float] = {}
@@ -178,25 +162,18 @@ class AsyncTrainer:
     self.dropped_stale = 0
     self.dropped_no_signal = 0
     self.sampled: list[Trajectory] = []  # fresh-enough episodes since the last update
-    # dynamic sampling drops at most as many tied groups per update as the sync loop's
+    # dynamic sampling drops at most as many tied groups per update as the lockstep loop's
     # rounds can (2 * (rounds - 1) * prompts_per_step); past that, ties are trained on, so
     # a policy that fails (or solves) everything still makes progress
-    rounds = self.rl.get("dynamic_sampling_rounds", 1)
-    self.tie_budget = 2 * (rounds - 1) * self.rl.prompts_per_step
+    self.tie_budget = 2 * (self.rl.dynamic_sampling_rounds - 1) * self.rl.prompts_per_step
     self.ties_dropped_this_update = 0
     self.totals = {"ttb_s": [], "staleness": [], "train_s": 0.0}
     self.pool: list[tuple[Any, list[Trajectory]]] = []
     self.extra: dict[str, Any] = {}
-    # async_rl.check_versions: serving params of recent versions, to recompute every
-    # token's log-prob with the weights of the version that sampled it
-    self.version_params: dict[int, Any] = {}
+    self.check = (VersionCheck(self.run, groups=self.a.check_versions_groups,
+                               keep_versions=self.a.max_staleness + 2)
+                  if self.a.check_versions_groups > 0 else None)
     self.owner: QueueOwner | None = None  # process 0's
-    self.own_version_mismatch = 0.0
-    self.own_version_tokens = {"checked": 0, "unchecked": 0}
-    self._score = jax.jit(functools.partial(_batch_logprobs, cfg=self.run.cfg,
-                                            numerics=self.run.numerics,
-                                            temperature=self.rl.temperature,
-                                            replay=self.rl.router_replay))
 
   # ---- start or resume -------------------------------------------------------------------
 
@@ -210,17 +187,8 @@ class AsyncTrainer:
       self._resume()
     else:
       evals.append(self.evaluate(0, "init"))
-      if self.config.sft.load:
-        sync.load_params(run, self.config.sft.load)
-        self.extra["sft_loaded_from"] = self.config.sft.load
-      elif self.config.sft.steps:
-        sft_dir = f"{self.dir.rstrip('/')}/sft_checkpoint"
-        if epath.Path(sft_dir).exists():
-          raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir "
-                                "(several processes: a fresh root)")
-        self.extra |= sync.sft(run, functools.partial(progress, desc="sft"))
-        sync.save_params(run, sft_dir)
-      self.grpo = sync.grpo_learner(run)
+      self.extra |= core.warm_start(run, f"{self.dir.rstrip('/')}/sft_checkpoint", progress)
+      self.grpo = core.grpo_learner(run)
       self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
       if self.publisher.version is not None:
         raise ValueError(f"{self.root} already holds a stream but {run.log.workdir} has no "
@@ -234,14 +202,14 @@ class AsyncTrainer:
     return evals
 
   def evaluate(self, step: int, name: str) -> dict:
-    """sync.run_eval; with several processes on process 0 only, with gathered params
+    """core.run_eval; with several processes on process 0 only, with gathered params
     (every process must call it: the gather is a collective)."""
     if not self.multi:
-      return sync.run_eval(self.run, step, name)
-    local = _local_params(self.run.serve(self.run.state))
+      return core.run_eval(self.run, step, name)
+    local = gathered_params(self.run.serve(self.run.state))
     if not self.primary:
       return {"name": name}
-    return sync.run_eval(dataclasses.replace(self.run, serve=lambda _: local), step, name)
+    return core.run_eval(self.run, step, name, params=local)
 
   def _queue_config(self) -> QueueConfig:
     return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
@@ -249,9 +217,9 @@ class AsyncTrainer:
 
   def _resume(self) -> None:
     run = self.run
-    fresh = sync.grpo_learner(run)
+    fresh = core.grpo_learner(run)
     restored = self.ckpt.restore({"state": fresh.state})
-    self.grpo = sync.grpo_learner(run, state=restored.state["state"])
+    self.grpo = core.grpo_learner(run, state=restored.state["state"])
     run.state = self.grpo.state
     self.updates = restored.step
     self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
@@ -261,54 +229,38 @@ class AsyncTrainer:
     self._publish()
     if self.primary:
       self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
-      self.extra["requeued_after_rollback"] = self._roll_back_audit(restored.step)
+      self.extra["requeued_after_rollback"] = self._requeue_lost(restored.step)
     self.extra["resumed_from_update"] = restored.step
     self.extra["resumed_stream_version"] = restored.stream_version
 
-  def _roll_back_audit(self, step: int) -> int:
-    """Cuts trained_groups.jsonl back to the checkpoint's `step` updates and submits the
-    groups of the updates after it again, as new groups with the same tasks: the queue
-    had finalized them (their results are gone) but their update was lost with the dead
-    trainer. Returns how many groups went back into the queue."""
-    path = self._audit_path()
-    lines = []
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    if [l["update"] for l in lines[:step]] != list(range(1, step + 1)):
-      raise ValueError(f"{path} does not hold updates 1..{step} of the checkpoint")
-    # a group the queue has not finalized (the trainer died before persisting it) is
-    # delivered again as it is
-    rolled = [(gid, task) for l in lines[step:] for gid, task in zip(l["groups"], l["tasks"])
-              if self.owner.is_finalized(gid)]
-    if rolled:
+  def _requeue_lost(self, step: int) -> int:
+    """Cuts the lineage back to the checkpoint's `step` updates and submits the groups of
+    the updates after it again, as new groups with the same tasks: the queue had finalized
+    them (their results are gone) but their update was lost with the dead trainer. A
+    group the queue has not finalized (the trainer died before persisting it) is delivered
+    again as it is. Returns how many groups went back into the queue."""
+    lost = self.lineage.cut_back(step)
+    tasks = [task for l in lost for gid, task in zip(l["groups"], l["tasks"])
+             if self.owner.is_finalized(gid)]
+    if tasks:
       first = self.owner.next_group_id
       self.owner.submit([GroupSpec(first + i, task, self.rl.group_size)
-                         for i, (_, task) in enumerate(rolled)])
+                         for i, task in enumerate(tasks)])
       self.owner.flush()
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(l) + "\n" for l in lines[:step])
-    os.replace(tmp, path)
-    return len(rolled)
-
-  def _audit_path(self) -> str:
-    return os.path.join(self.run.log.workdir, "trained_groups.jsonl")
+    return len(tasks)
 
   # ---- the loop ----------------------------------------------------------------------------
 
   def _publish(self) -> None:
     """Publishes run.state as the version after the store's newest (run.version's one
-    unless a dead trainer published past our checkpoint) and evaluates with it."""
+    unless a dead trainer published past our checkpoint)."""
     newest = self.publisher.version
     self.run.version = 0 if newest is None else newest + 1
     params = self.run.serve(self.run.state)  # read-only from here on: shared by all three
     self.publisher.publish(params, self.run.version)
     self.publish_times[self.run.version] = time.time()
-    if self.a.check_versions:
-      self.version_params[self.run.version] = params
-      oldest = self.run.version - self.a.max_staleness - 1
-      self.version_params = {v: p for v, p in self.version_params.items() if v >= oldest}
+    if self.check is not None:
+      self.check.hold(self.run.version, params)
     if not self.multi:  # several processes: process 0's engine gets weights at evaluations
       self.run.engine.update_weights(params, self.run.version)
 
@@ -338,7 +290,7 @@ class AsyncTrainer:
       if group_staleness(self.run.version, trajs) > self.a.max_staleness:
         self.owner.mark_dropped(ready.group_id, "stale")
         self.dropped_stale += 1
-      elif filter_ties and not sync.has_signal(trajs):
+      elif filter_ties and not core.has_signal(trajs):
         self.owner.mark_dropped(ready.group_id, "no_signal")
         self.dropped_no_signal += 1
         self.ties_dropped_this_update += 1
@@ -355,30 +307,28 @@ class AsyncTrainer:
     run = self.run
     tasks = None
     if self.primary:  # group g is task g of the run's task stream: a resumed queue goes on
-      tasks = itertools.islice(sync.task_stream(run.env, self.rl.num_tasks, self.config.seed),
+      tasks = itertools.islice(core.task_stream(run.env, self.rl.num_tasks, self.config.seed),
                                self.owner.next_group_id, None)
     e = self.config.eval
     for _ in progress(range(self.updates, self.rl.steps), desc="grpo-async"):
       t0 = time.perf_counter()
-      batch = self._share(functools.partial(self._next_batch, tasks, t0))
+      batch = share_groups(functools.partial(self._next_batch, tasks, t0))
       t1 = time.perf_counter()
       trained_version = run.version
-      trajs = [t for _, g in batch for t in g]
-      if self.a.check_versions:
-        self._check_versions(trajs)
-      metrics = sync.train_on_groups(run, self.grpo, [g for _, g in batch])
+      groups = [g for _, g in batch]
+      if self.check is not None:
+        self.check.check(groups)
+      metrics = core.train_on_groups(run, self.grpo, groups)
       self._publish()
       self.updates += 1
       if self.primary:
         for ready, _ in batch:
           self.owner.mark_trained(ready.group_id)
-        with open(self._audit_path(), "a", encoding="utf-8") as f:
-          f.write(json.dumps({"update": self.updates, "version": run.version,
-                              "groups": [ready.group_id for ready, _ in batch],
-                              "hosts": [ready.host_id for ready, _ in batch],
-                              "tasks": [ready.payload for ready, _ in batch]}) + "\n")
+        self.lineage.append(self.updates, run.version, [r.group_id for r, _ in batch],
+                            [r.host_id for r, _ in batch], [r.payload for r, _ in batch])
         t2 = time.perf_counter()
-        self._log(metrics, trajs, trained_version, ttb=t1 - t0, train_s=t2 - t1)
+        self._log(metrics, [t for g in groups for t in g], trained_version, ttb=t1 - t0,
+                  train_s=t2 - t1)
       if self.updates % self.a.checkpoint_every == 0 or self.updates == self.rl.steps:
         self.ckpt.save(self.updates, {"state": self.grpo.state},
                        stream_version=run.version)
@@ -409,47 +359,6 @@ class AsyncTrainer:
     self.pool = batch[self.rl.prompts_per_step:] + self.pool
     return batch[:self.rl.prompts_per_step]
 
-  def _share(self, take: Callable[[], list]) -> list[tuple[Any, list[Trajectory]]]:
-    """The batch `take()` returns on process 0, on every process: the others get `(None,
-    trajectories)` pairs decoded from the same `wire` arrays, or raise when take() raised
-    on process 0 (it sends them the error before raising it)."""
-    if not self.multi:
-      return take()
-    if not self.primary:
-      header, arrays = _unpack(distributed.broadcast_bytes(None))
-      if header["kind"] == "error":
-        raise RuntimeError(f"trainer process 0 failed: {header['message']}")
-      return [(None, wire.group_from_arrays(
-          {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(f"g{i}.")}, gid))
-              for i, gid in enumerate(header["group_ids"])]
-    try:
-      batch = take()
-    except BaseException as err:
-      distributed.broadcast_bytes(_pack({"kind": "error", "message": repr(err)}, {}))
-      raise
-    arrays = {f"g{i}.{k}": v for i, (_, trajs) in enumerate(batch)
-              for k, v in wire.group_to_arrays(trajs).items()}
-    distributed.broadcast_bytes(_pack(
-        {"kind": "batch", "group_ids": [ready.group_id for ready, _ in batch]}, arrays))
-    return batch
-
-  def _check_versions(self, trajs: list[Trajectory]) -> None:
-    """max |behaviour - trainer| log-prob over the batch's tokens, each recomputed with
-    the weights of the version that sampled it (tokens of versions no longer held, e.g.
-    abandoned by a trainer restart, are counted unchecked)."""
-    batch = build_batch(trajs, np.zeros(len(trajs), np.float32), np.ones(len(trajs), bool),
-                        with_routing=self.rl.router_replay, **self.run.batch_shape(len(trajs)))
-    on = batch.loss_mask & (batch.seq_ids >= 0)
-    for version in np.unique(batch.versions[on]):
-      mine = on & (batch.versions == version)
-      if int(version) not in self.version_params:
-        self.own_version_tokens["unchecked"] += int(mine.sum())
-        continue
-      lp = distributed.gather(self._score(self.version_params[int(version)], batch))
-      diff = np.abs(lp - batch.behaviour_logprobs)[mine]
-      self.own_version_mismatch = max(self.own_version_mismatch, float(diff.max()))
-      self.own_version_tokens["checked"] += int(mine.sum())
-
   def _log(self, metrics: dict, trajs: list[Trajectory], trained_version: int, *, ttb: float,
            train_s: float) -> None:
     versions = np.concatenate([t.versions[t.loss_mask] for t in trajs])
@@ -457,29 +366,17 @@ class AsyncTrainer:
     self.totals["ttb_s"].append(ttb)
     self.totals["staleness"].append(float(staleness.mean()) if len(staleness) else 0.0)
     self.totals["train_s"] += train_s
-    record = metrics | sync.rollout_stats(self.sampled) | {
+    record = metrics | core.rollout_stats(self.sampled) | {
         "ttb_s": ttb, "trainer_stall_s": ttb, "train_s": train_s,
         "staleness_mean": self.totals["staleness"][-1],
         "staleness_max": int(staleness.max()) if len(staleness) else 0,
         "dropped_stale": self.dropped_stale, "dropped_no_signal": self.dropped_no_signal,
         "updates": self.updates,
-    } | ({"own_version_mismatch_max_abs": self.own_version_mismatch}
-         if self.a.check_versions else {}) | {
-             f"queue_{k}": v for k, v in self.owner.accounting().items()}
-    for host, status in read_host_status(self.store).items():
-      applied = status.get("applied") or []
-      if applied:
-        version, _, applied_at, pause = applied[-1][:4]
-        if version in self.publish_times:
-          record[f"host_{host}_publish_to_apply_s"] = applied_at - self.publish_times[version]
-        record[f"host_{host}_apply_pause_s"] = pause
-        record[f"host_{host}_version"] = version
-      if status.get("generate_s"):
-        record[f"host_{host}_tok_s"] = status.get("tokens_generated", 0) / status["generate_s"]
-      busy = status.get("generate_s", 0.0)
-      idle = status.get("idle_s", 0.0)
-      if busy + idle > 0:
-        record[f"host_{host}_idle_frac"] = idle / (busy + idle)
+    } | {f"queue_{k}": v for k, v in self.owner.accounting().items()}
+    if self.check is not None and self.check.mismatch.value is not None:
+      record["own_version_mismatch_max_abs"] = self.check.mismatch.value
+      record["own_version_tokens"] = self.check.mismatch.tokens
+    record |= host_metrics(read_host_status(self.store), self.publish_times)
     self.run.log.write("async", self.run.version, record)
     self.sampled = []
     self.ties_dropped_this_update = 0
@@ -492,12 +389,6 @@ class AsyncTrainer:
       distributed.broadcast_bytes(b"done" if self.primary else None)  # out) for the eval
 
 
-def _batch_logprobs(params, batch: TrainBatch, *, cfg, numerics, temperature, replay):
-  return forward(params, batch.tokens, batch.positions, cfg=cfg, numerics=numerics,
-                 segment_ids=batch.segment_ids, targets=batch.targets, temperature=temperature,
-                 routing=batch.routing if replay else None).logprobs
-
-
 def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
               progress: Callable[..., Iterator] | None = None,
               on_started: Callable[[], None] | None = None) -> dict:
@@ -505,7 +396,7 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
   `on_started` runs once weights are published (e.g. to launch local hosts)."""
   t0 = time.perf_counter()
   bar = progress or (lambda it, **_: iter(it))
-  trainer = AsyncTrainer(config, workdir, root)
+  trainer = AsyncTrainer(build(config, ASYNC_TRAINER), workdir, root)
   evals = trainer.start(bar, on_started)
   rl_start = time.perf_counter()
   trainer.train(bar)
@@ -528,12 +419,11 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
       "ttb_s": float(np.mean(totals["ttb_s"])) if totals["ttb_s"] else 0.0,
       "dropped_stale": trainer.dropped_stale, "dropped_no_signal": trainer.dropped_no_signal,
       "queue": trainer.owner.accounting()}
-  if config.async_rl.check_versions:
-    extra["own_version_mismatch_max_abs"] = trainer.own_version_mismatch
-    extra["own_version_tokens"] = trainer.own_version_tokens
+  if trainer.check is not None:
+    extra |= trainer.check.summary()
   run.timings["train_s"] = totals["train_s"]
   run.timings["rollout_s"] = float(np.sum(totals["ttb_s"]))  # the trainer's wait for rollouts
-  summary = sync.summarize(run, list(by_name.values()), time.perf_counter() - t0, extra)
+  summary = core.summarize(run, list(by_name.values()), time.perf_counter() - t0, extra)
   run.log.write("summary", run.version, {k: v for k, v in summary.items()
                                          if isinstance(v, (int, float))})
   run.log.close()

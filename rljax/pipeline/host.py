@@ -1,12 +1,7 @@
 """A rollout host of the async pipeline: its only link to the trainer is a storage root.
 
-Layout under `root` (a store URL: memory://, file:///abs/dir, gs://bucket/prefix):
-
-  stream/              the weight stream (`Publisher(stream_url(root))` on the trainer)
-  queue/               the work queue (`QueueOwner` / `QueueClient`, prefix "queue/")
-  run/done             written by the trainer when the run is over (any bytes)
-  run/hosts/<id>.json  written by this host only: its status (below), every few seconds
-                       and at exit
+The root's layout is rljax.pipeline.layout's: the weight stream, the work queue, `run/done`
+and this host's status record `run/hosts/<id>.json` (below; every few seconds and at exit).
 
 The loop (`run`, one iteration = `run_once`):
   a. `Subscriber.poll()`; when the weights moved, `engine.update_weights` right away: the
@@ -46,48 +41,20 @@ import ml_collections
 import numpy as np
 import tensorstore as ts
 
-from rljax import envs
-from rljax.engine.engine import DecodeEngine, SamplingParams
-from rljax.model import ModelConfig
-from rljax.numerics import Numerics
 from rljax.pipeline import wire
+from rljax.pipeline.layout import DONE_KEY, QUEUE_PREFIX, check_root, status_key, stream_url
 from rljax.pipeline.rollout import EpisodeRunner, Group
+from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient
 from rljax.sync import manifest as fmt
 from rljax.sync.store import Store
 from rljax.sync.subscriber import Subscriber
 
-DONE_KEY = "run/done"
-HOSTS_PREFIX = "run/hosts/"
-QUEUE_PREFIX = "queue/"
-STREAM_DIR = "stream/"
 _APPLIED_KEPT = 50
 
 
 class RunOver(Exception):
   """`run/done` appeared before this host could start (no engine was built)."""
-
-
-def check_root(root: str) -> str:
-  if not isinstance(root, str) or "://" not in root:
-    raise ValueError(f"root must be a store URL (memory://, file:///dir, gs://...), not {root!r}")
-  return root
-
-
-def stream_url(root: str) -> str:
-  """The weight stream under `root`: f"{root.rstrip('/')}/stream/" (for "memory://" that is
-  "memory:/stream/", which names the same kvstore path as "memory://stream/")."""
-  return f"{check_root(root).rstrip('/')}/{STREAM_DIR}"
-
-
-def status_key(host_id: str) -> str:
-  return f"{HOSTS_PREFIX}{host_id}.json"
-
-
-def sampling_params(config: ml_collections.ConfigDict) -> SamplingParams:
-  rl = config.rl
-  return SamplingParams(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
-                        max_new_tokens=rl.max_new_tokens)
 
 
 @dataclasses.dataclass
@@ -103,8 +70,7 @@ class RolloutHost:
                clock: Callable[[], float] = time.time, context: ts.Context | None = None,
                first_version_timeout_s: float = 600.0, heartbeat_s: float = 1.0,
                status_every_s: float = 5.0):
-    if "async_rl" not in config:
-      raise ValueError("the config has no async_rl block (see configs/arith_tiny.py)")
+    built = build(config, ROLLOUT_HOST, devices=False)
     a = config.async_rl
     if a.host_groups < 1 or a.poll_s <= 0:
       raise ValueError(f"need async_rl.host_groups >= 1 and poll_s > 0, got {a}")
@@ -115,11 +81,7 @@ class RolloutHost:
     self.client = QueueClient(self.store, host_id, prefix=QUEUE_PREFIX, clock=clock)
     self.host_id = self.client.host_id
     self.sub = Subscriber(Store.open(stream_url(root), context=context))
-    self.env = envs.make(config.env.name, **config.env.kwargs.to_dict())
-    self.cfg = ModelConfig.from_dict(config.model.to_dict())
-    if self.env.tokenizer.vocab_size > self.cfg.vocab_size:
-      raise ValueError(f"the env's tokenizer has {self.env.tokenizer.vocab_size} ids, the "
-                       f"model only {self.cfg.vocab_size}")
+    self.env, self.cfg = built.env, built.cfg
     self.applied: collections.deque[list] = collections.deque(maxlen=_APPLIED_KEPT)
     self.counts = dict(groups_pushed=0, groups_discarded=0, generate_s=0.0, idle_s=0.0)
     self._running: dict[int, _Running] = {}  # group id -> its lease
@@ -127,15 +89,12 @@ class RolloutHost:
     self._done = False
 
     version, pause = self._wait_for_first_version(first_version_timeout_s)
-    self.engine = DecodeEngine(self.cfg, self.sub.params, numerics=Numerics(config.numerics),
-                               num_slots=config.engine.num_slots,
-                               max_seq_len=config.engine.max_seq_len,
-                               eos_id=self.env.tokenizer.eos_id, version=version,
-                               weight_update=a.get("weight_update", "keep"))
+    self.engine = built.make_engine(self.sub.params, version=version,
+                                    weight_update=a.weight_update)
     self._held = self._arrays()
     self._record_applied(version, pause)
     self._tokens_at_start = self.engine.stats["generated_tokens"]
-    self.runner = EpisodeRunner(self.engine, self.env, sampling=sampling_params(config),
+    self.runner = EpisodeRunner(self.engine, self.env, sampling=built.sampling,
                                 seed=config.seed)
 
   # ---- the loop ----
@@ -191,9 +150,14 @@ class RolloutHost:
 
   def sync_weights(self) -> int | None:
     """Polls the stream; hands the engine the subscriber's arrays whenever they changed
-    (a new version, or arrays replaced by a rollback). Returns the new version or None."""
+    (a new version, or arrays replaced by a rollback). Returns the new version or None.
+    A stream error is recorded (status: stream_errors) and the host keeps its weights."""
     t0 = time.perf_counter()
-    moved = self.sub.poll()
+    try:
+      moved = self.sub.poll()
+    except fmt.StreamError as e:
+      self.sub.stats.error(f"poll: {e}")
+      moved = None
     if moved is None and self._arrays_unchanged():
       return None
     self.engine.update_weights(self.sub.params, self.sub.version)
@@ -227,12 +191,17 @@ class RolloutHost:
       if self.store.read(DONE_KEY) is not None:
         raise RunOver(f"{DONE_KEY} exists under {self.root}: the run is over")
       t0 = time.perf_counter()
-      version = self.sub.poll()
+      try:
+        version = self.sub.poll()
+      except fmt.StreamError as e:
+        self.sub.stats.error(f"poll: {e}")
+        version = None
       if version is not None:
         return version, time.perf_counter() - t0
       if time.monotonic() >= deadline:
+        last = self.sub.stats.errors[-1:] or ["none"]
         raise TimeoutError(f"no weight-stream version under {stream_url(self.root)} "
-                           f"after {timeout_s:.0f} s")
+                           f"after {timeout_s:.0f} s (last stream error: {last[0]})")
       time.sleep(0.2)
 
   # ---- work ----
@@ -279,7 +248,9 @@ class RolloutHost:
                 generate_s=self.counts["generate_s"], idle_s=self.counts["idle_s"],
                 groups_pushed=self.counts["groups_pushed"],
                 groups_discarded=self.counts["groups_discarded"], time=self.clock(),
-                version=self.engine.version, in_flight=len(self._running), done=self._done)
+                version=self.engine.version, in_flight=len(self._running), done=self._done,
+                stream_errors=self.sub.stats.error_count,
+                last_stream_error=(self.sub.stats.errors or [None])[-1])
 
   def write_status(self) -> None:
     self.store.write(status_key(self.host_id),

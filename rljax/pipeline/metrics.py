@@ -7,6 +7,7 @@ TensorBoard events carry the same scalars as `<phase>/<name>`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,23 @@ def _number(v: Any) -> float | int | None:
   if v.shape != () or v.dtype.kind not in "biuf":
     return None
   return bool(v) if v.dtype.kind == "b" else v.item()
+
+
+@dataclasses.dataclass
+class RunningMax:
+  """A running max over batches that counts what it covers and never hides a NaN (Python's
+  `max(0.0, nan)` is 0.0): `value` is None until a batch with tokens was added, NaN once
+  any added value was NaN."""
+
+  value: float | None = None
+  tokens: int = 0
+
+  def add(self, value: float, tokens: int) -> None:
+    if tokens <= 0:
+      return
+    value = float(value)
+    self.value = value if self.value is None else float(np.max([self.value, value]))
+    self.tokens += int(tokens)
 
 
 class NullLogger:
@@ -109,3 +127,39 @@ held-out pass@1 points."""
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def host_metrics(statuses: Mapping[str, Mapping[str, Any]],
+                 publish_times: Mapping[int, float]) -> dict[str, float]:
+  """Per-host scalars from rollout hosts' status records (rljax.pipeline.host): the
+  publish -> apply latency and apply pause of the newest version each applied, its
+  version, its rollout tokens/s and idle fraction."""
+  record: dict[str, float] = {}
+  for host, status in statuses.items():
+    applied = status.get("applied") or []
+    if applied:
+      version, _, applied_at, pause = applied[-1][:4]
+      if version in publish_times:
+        record[f"host_{host}_publish_to_apply_s"] = applied_at - publish_times[version]
+      record[f"host_{host}_apply_pause_s"] = pause
+      record[f"host_{host}_version"] = version
+    busy, idle = status.get("generate_s", 0.0), status.get("idle_s", 0.0)
+    if busy:
+      record[f"host_{host}_tok_s"] = status.get("tokens_generated", 0) / busy
+    if busy + idle > 0:
+      record[f"host_{host}_idle_frac"] = idle / (busy + idle)
+  return record
+
+
+def json_line(record: Mapping[str, Any]) -> str:
+  """One strict-JSON line: a NaN or infinite float (a failed check) is written as the
+  string "NaN" / "Infinity" / "-Infinity", never as JSON's missing constants."""
+  def clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+      return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    if isinstance(v, Mapping):
+      return {k: clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+      return [clean(x) for x in v]
+    return v
+  return json.dumps(clean(dict(record)), allow_nan=False)

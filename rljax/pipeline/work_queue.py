@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import io
 import json
 import re
 import time
@@ -65,10 +64,10 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import tensorstore as ts
 
+from rljax.pipeline import npz
 from rljax.sync.store import Store
 
 PENDING, LEASED, READY = "pending", "leased", "ready"
-_HEADER = "__queue_header__"  # the .npz member holding the result's JSON header
 _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _STATE_FORMAT = 1
 
@@ -144,30 +143,6 @@ def _norm_prefix(prefix: str) -> str:
 
 def _dumps(obj: Any) -> bytes:
   return json.dumps(obj, sort_keys=True, allow_nan=False).encode()
-
-
-def encode_result(header: Mapping[str, Any], arrays: Mapping[str, Any]) -> bytes:
-  """.npz bytes of numeric arrays (dtype and bits kept) plus a JSON header."""
-  members = {}
-  for name, x in arrays.items():
-    if not isinstance(name, str) or not name or name == _HEADER:
-      raise ValueError(f"bad array name {name!r}")
-    x = np.asarray(x)
-    if x.dtype.kind not in "biuf":
-      raise ValueError(f"array {name!r} has dtype {x.dtype}: results carry numeric arrays "
-                       "(token ids, log-probs), never strings or objects")
-    members[name] = x
-  members[_HEADER] = np.frombuffer(_dumps(dict(header)), np.uint8)
-  buf = io.BytesIO()
-  np.savez(buf, **members)
-  return buf.getvalue()
-
-
-def decode_result(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-    header = json.loads(z[_HEADER].tobytes())
-    arrays = {k: z[k] for k in z.files if k != _HEADER}
-  return header, arrays
 
 
 class _IdRanges:
@@ -312,7 +287,7 @@ class QueueOwner:
       if raw is None:
         raise QueueError(f"group {g.group_id} is ready but {g.result_key} is gone")
       self._undelivered[g.group_id] = self._ready_group(g, g.result_key,
-                                                         *decode_result(raw))
+                                                         *npz.decode(raw))
     self._dirty_hosts = set(self._hosts)  # a crash may have come before their write
     self._dirty = False
     self._write_leases()
@@ -493,7 +468,7 @@ class QueueOwner:
         late += 1
         self._garbage.append(key)
         continue
-      ready = self._ready_group(g, key, *decode_result(raw))
+      ready = self._ready_group(g, key, *npz.decode(raw))
       del self._leases[lease_id]
       self._dirty_hosts.add(host_id)
       g.status, g.result_key = READY, key
@@ -641,7 +616,7 @@ class QueueClient:
     if grant.group_id != group_id:
       raise QueueError(f"push_result: lease {lease_id} is for group {grant.group_id}, "
                        f"not {group_id}")
-    data = encode_result(dict(group_id=group_id, lease_id=lease_id, host_id=self.host_id,
+    data = npz.encode(dict(group_id=group_id, lease_id=lease_id, host_id=self.host_id,
                               incarnation=self.incarnation, meta=dict(meta or {})), arrays)
     self.store.write(self._host_key(f"results/{lease_id:012d}.npz"), data)
     if self.held.pop(lease_id, None) is not None:

@@ -77,8 +77,10 @@ def _grpo_microbatch_loss(params, mb: TrainBatch, current_version, *, cfg, numer
   on = mb.loss_mask & (mb.seq_ids >= 0)
   # only tokens sampled with the weights trained on now (-1: every token)
   on &= (current_version < 0) | (mb.versions == current_version)
+  # jnp.max propagates a NaN on a covered token; `mismatch_tokens` says what it covers
   metrics["mismatch_max_abs"] = jnp.max(jnp.where(on, jnp.abs(
       out.logprobs - mb.behaviour_logprobs), 0.0))
+  metrics["mismatch_tokens"] = jnp.sum(on.astype(jnp.int32))
   return loss, metrics
 
 
@@ -111,6 +113,7 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
   out = {k: jnp.mean(v) for k, v in metrics.items()}
   if "mismatch_max_abs" in metrics:
     out["mismatch_max_abs"] = jnp.max(metrics["mismatch_max_abs"])
+    out["mismatch_tokens"] = jnp.sum(metrics["mismatch_tokens"])
   out.update(loss=loss, grad_norm=grad_norm, skipped=~finite)
   return new_state, out
 
@@ -125,8 +128,8 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
   `microbatches` is a TrainBatch whose leaves carry a leading microbatch axis
   (`split_microbatches`). The token-mean denominator is the whole batch's loss-token count.
   `current_version` (the version of the params in `state`; -1 = unknown) limits
-  `mismatch_max_abs` to the tokens that version sampled: in an async run older tokens
-  differ by design (their behaviour is another policy).
+  `mismatch_max_abs` to the tokens that version sampled (`mismatch_tokens` of them): in an
+  async run older tokens differ by design (their behaviour is another policy).
   """
   def step(state: TrainState, batches: TrainBatch, current_version):
     denominator = jnp.maximum(jnp.sum(batches.loss_mask & (batches.seq_ids >= 0)), 1)

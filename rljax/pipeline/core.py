@@ -1,18 +1,17 @@
-"""The synchronous GRPO loop: SFT warm start, then rollouts and updates in lockstep.
+"""The core both GRPO loops stand on: a run's state, SFT warm start, evaluation, one update.
 
-    init ─► SFT warm start (or an SFT checkpoint) ─► eval ─► [rollout v ─► update ─► v+1]* ─► eval
+`setup(built, workdir)` makes a `Run` (params, engine, metrics logger) from `build(config)`;
+`sft` warm-starts it on reference completions; `run_eval` scores held-out tasks with the
+engine; `grpo_learner` makes the optimizer, state and jitted step of the `rl` block, and
+`train_on_groups` runs one update on scored groups. The lockstep loop
+(rljax.pipeline.lockstep) and the async trainer (rljax.pipeline.async_loop) are two ways of
+feeding `train_on_groups`.
 
-One process holds the train state and a DecodeEngine. Each GRPO step samples a group of
-episodes per train task with the serving params of version v (the bf16 cast of the f32
-masters), scores them with the env, computes group advantages (infra failures left out),
-packs them into fixed-shape rows and runs the jitted update, which recomputes the
-log-probs with the same bf16 weights (`mismatch_max_abs`: exactly 0.0 in deterministic
-mode) and applies importance correction against the engine's behaviour log-probs when the
-config switches it on. The engine then gets version v+1 between steps.
-
-Held-out evaluation (greedy pass@1, sampled pass@k) runs at init, after SFT ("before"),
-every `eval.every` steps and at the end ("after"). Metrics go to `<workdir>/metrics.jsonl`
-and TensorBoard; the reward curve to `<workdir>/reward_curve.png`.
+The update recomputes the log-probs of the sampled tokens with the same bf16 weights the
+engine sampled with; `mismatch_max_abs` is the largest |trainer - behaviour| log-prob over
+the tokens sampled by the version being trained (exactly 0.0 in deterministic mode),
+with the number of tokens it covers: null, never 0.0, when it covers none. A NaN anywhere
+makes it NaN.
 """
 
 from __future__ import annotations
@@ -20,41 +19,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
-import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 
-from rljax import envs
-from rljax import sharding as sharding_lib
 from rljax.checkpoint import Checkpointer
-from rljax.engine.engine import DecodeEngine, SamplingParams
+from rljax.engine.engine import DecodeEngine
 from rljax.envs.base import Env, Task
-from rljax.model import ModelConfig, count_params, init_sharded
+from rljax.model import count_params, init_sharded
 from rljax.model.packing import aligned_length
-from rljax.numerics import Numerics
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
-from rljax.pipeline.metrics import MetricsLogger, NullLogger, plot_reward_curve, read_jsonl
-from rljax.pipeline.rollout import generate_groups
+from rljax.pipeline.metrics import MetricsLogger, NullLogger, RunningMax
+from rljax.pipeline.run import Built
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
 from rljax.rl.batch import build_batch, split_microbatches
-from rljax.rl.losses import LossConfig
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
-
-
-def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
-  """None for a 1-device run (plain jit); otherwise a mesh of the first devices."""
-  size = math.prod(int(v) for v in mesh_shape.values())
-  if size == 1:
-    return None
-  return sharding_lib.Sharding(sharding_lib.make_mesh(dict(mesh_shape), jax.devices()[:size]))
 
 
 def rows_for(num_seqs: int, max_seq_len: int, row_len: int, page_size: int) -> int:
@@ -89,21 +75,24 @@ def params_only(params: Any) -> learner.TrainState:
 
 @dataclasses.dataclass
 class Run:
-  """Everything one run holds; built by `setup`, driven by `sft`, `grpo` and `evaluate`."""
+  """Everything one run holds; made by `setup`, driven by `sft`, the loops and `run_eval`."""
 
-  config: ml_collections.ConfigDict
-  cfg: ModelConfig
-  numerics: Numerics
-  sharding: sharding_lib.Sharding | None
-  env: Env
+  built: Built
   heldout: list[Task]
-  engine: DecodeEngine
+  engine: DecodeEngine | None
   state: learner.TrainState
   serve: Callable[[learner.TrainState], Any]
-  log: MetricsLogger
+  log: MetricsLogger | NullLogger
   version: int = 0
-  mismatch_max_abs: float = 0.0
+  # over the tokens sampled by the version each update trained (see the module docstring)
+  mismatch: RunningMax = dataclasses.field(default_factory=RunningMax)
   timings: dict = dataclasses.field(default_factory=lambda: {"rollout_s": 0.0, "train_s": 0.0})
+
+  config = property(lambda self: self.built.config)
+  cfg = property(lambda self: self.built.cfg)
+  numerics = property(lambda self: self.built.numerics)
+  sharding = property(lambda self: self.built.sharding)
+  env = property(lambda self: self.built.env)
 
   @property
   def max_seq_len(self) -> int:
@@ -115,38 +104,29 @@ class Run:
                 num_rows=rows_for(num_seqs, self.max_seq_len, row_len, self.cfg.page_size))
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str, *, engine: bool = True,
+def setup(built: Built, workdir: str, *, engine: bool = True,
           write_metrics: bool = True) -> Run:
-  """The run's model, env, initial params, engine and metrics logger. `engine=False`: no
-  DecodeEngine (a trainer of several processes builds one on process 0 only);
+  """The run's held-out tasks, initial params, engine and metrics logger. `engine=False`:
+  no DecodeEngine (a trainer of several processes builds one on process 0 only);
   `write_metrics=False`: records are made but not written (processes other than 0)."""
-  cfg = ModelConfig.from_dict(config.model.to_dict())
-  numerics = Numerics(config.numerics)
-  sharding = make_sharding(config.mesh.to_dict())
-  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
-  if env.tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(f"the env's tokenizer has {env.tokenizer.vocab_size} ids, the model "
-                     f"only {cfg.vocab_size}")
-  heldout = env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
-  params = init_sharded(cfg, config.seed, sharding, dtype=jnp.float32)
-  serve = jax.jit(functools.partial(learner.serving_params, cfg=cfg))
+  config, cfg = built.config, built.cfg
+  heldout = built.env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
+  params = init_sharded(cfg, config.seed, built.sharding, dtype=jnp.float32)
+  serve = jax.jit(lambda state: learner.serving_params(state, cfg))
   state = params_only(params)
-  decode = None
-  if engine:
-    decode = DecodeEngine(cfg, serve(state), numerics=numerics,
-                          num_slots=config.engine.num_slots,
-                          max_seq_len=config.engine.max_seq_len, eos_id=env.tokenizer.eos_id,
-                          sharding=sharding)
+  decode = built.make_engine(serve(state), sharding=built.sharding) if engine else None
   log = (MetricsLogger(workdir, tensorboard=config.log.tensorboard) if write_metrics
          else NullLogger(workdir))
   log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
                        "processes": jax.process_count()})
-  return Run(config, cfg, numerics, sharding, env, heldout, decode, state, serve, log)
+  return Run(built, heldout, decode, state, serve, log)
 
 
-def run_eval(run: Run, step: int, name: str) -> dict:
+def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
+  """Held-out evaluation with the serving params of run.state (or `params`, e.g. gathered
+  onto the evaluating process's device)."""
   e = run.config.eval
-  run.engine.update_weights(run.serve(run.state), run.version)
+  run.engine.update_weights(run.serve(run.state) if params is None else params, run.version)
   t0 = time.perf_counter()
   out = evaluate(run.engine, run.env, run.heldout, k=e.k, n=e.n, temperature=e.temperature,
                  max_new_tokens=run.config.rl.max_new_tokens, seed=e.seed)
@@ -224,13 +204,32 @@ def load_params(run: Run, directory: str) -> None:
   run.state = params_only(restored.state["params"])
 
 
-def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
-  return LossConfig(**config.rl.loss.to_dict())
+def check_sft_dir(config: ml_collections.ConfigDict, sft_dir: str) -> None:
+  """A warm start must not overwrite an earlier run's SFT checkpoint."""
+  if not config.sft.load and config.sft.steps and epath.Path(sft_dir).exists():
+    raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir (several "
+                          f"trainer processes: a fresh root), or --config.sft.load={sft_dir} "
+                          "to start from it")
+
+
+def warm_start(run: Run, sft_dir: str, progress: Callable[..., Iterator]) -> dict:
+  """The SFT checkpoint `sft.load`, or an SFT warm start saved to `sft_dir` (nothing with
+  sft.steps 0). Returns the summary's sft fields."""
+  c = run.config.sft
+  if c.load:
+    load_params(run, c.load)
+    return {"sft_loaded_from": c.load}
+  if not c.steps:
+    return {}
+  check_sft_dir(run.config, sft_dir)
+  out = sft(run, functools.partial(progress, desc="sft"))
+  save_params(run, sft_dir)
+  return out
 
 
 @dataclasses.dataclass
 class GrpoLearner:
-  """The update half of GRPO, shared by the synchronous and the async loop."""
+  """The update half of GRPO, shared by the lockstep and the async loop."""
 
   optimizer: optax.GradientTransformation
   state: learner.TrainState
@@ -243,26 +242,16 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearn
   """The optimizer, train state (fresh from run.state's params, or `state`: a restored
   one) and jitted step of `rl`."""
   c = run.config.rl
-  if c.get("final_lr_frac", 1.0) == 1.0:
-    schedule = optax.linear_schedule(0.0, c.learning_rate, max(c.warmup_steps, 1))
-  else:  # cosine decay after the warmup: the policy at the last step is not a noisy one
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, c.learning_rate, max(c.warmup_steps, 1), max(c.steps, c.warmup_steps + 1),
-        end_value=c.learning_rate * c.final_lr_frac)
-  optimizer = learner.make_optimizer(schedule, weight_decay=c.weight_decay,
-                                     clip_norm=c.clip_norm, b2=c.adam_b2)
+  optimizer = run.built.rl_optimizer()
   if state is None:
     state = learner.init_state(run.state.params, optimizer)
   state_sharding = None
   if run.sharding is not None:
     state_sharding = learner.state_shardings(run.cfg, optimizer, run.sharding)
     state = jax.device_put(state, state_sharding)
-  step_fn = learner.make_grpo_step(run.cfg, optimizer, numerics=run.numerics,
-                                   loss_cfg=loss_config(run.config), replay=c.router_replay,
-                                   temperature=c.temperature, sharding=run.sharding,
-                                   state_sharding=state_sharding)
-  advantages = jax.jit(functools.partial(group_advantages, kind=c.advantage,
-                                         num_groups=c.prompts_per_step))
+  step_fn = run.built.grpo_step(optimizer, state_sharding)
+  advantages = jax.jit(lambda rewards, group_ids, valid: group_advantages(
+      rewards, group_ids, valid, kind=c.advantage, num_groups=c.prompts_per_step))
   return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding)
 
 
@@ -286,7 +275,9 @@ def has_signal(trajs: Sequence[Trajectory]) -> bool:
 def train_on_groups(run: Run, grpo_state: GrpoLearner,
                     groups: Sequence[Sequence[Trajectory]]) -> dict:
   """One GRPO update on `rl.prompts_per_step` groups of `rl.group_size` scored episodes;
-  run.version advances. Returns the step's metrics (with advantage statistics)."""
+  run.version advances. Returns the step's metrics (with advantage statistics); its
+  `mismatch_max_abs` is left out when no token of the batch was sampled by the version
+  trained (`mismatch_tokens` 0)."""
   c = run.config.rl
   if len(groups) != c.prompts_per_step or any(len(g) != c.group_size for g in groups):
     raise ValueError(f"an update takes {c.prompts_per_step} groups of {c.group_size}")
@@ -302,60 +293,14 @@ def train_on_groups(run: Run, grpo_state: GrpoLearner,
   metrics = jax.device_get(metrics | adv_stats)
   run.version += 1
   run.state = grpo_state.state
-  run.mismatch_max_abs = max(run.mismatch_max_abs, float(metrics["mismatch_max_abs"]))
+  run.mismatch.add(float(metrics["mismatch_max_abs"]), int(metrics["mismatch_tokens"]))
+  if int(metrics["mismatch_tokens"]) == 0:
+    del metrics["mismatch_max_abs"]
   return metrics
 
 
-def grpo(run: Run, progress: Callable[[Iterator], Iterator] = iter,
-         on_step: Callable[[dict], None] | None = None) -> dict:
-  """`rl.steps` synchronous GRPO steps; returns run totals: rl_wall_s (the loop, evals
-  between steps included) and ttb_s (mean time-to-trainable-batch: a step's rollout)."""
-  start = time.perf_counter()
-  c = run.config.rl
-  grpo_state = grpo_learner(run)
-  tasks = task_stream(run.env, c.num_tasks, run.config.seed)
-  sampling = SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                            max_new_tokens=c.max_new_tokens)
-  e = run.config.eval
-  rounds = c.get("dynamic_sampling_rounds", 1)
-  next_request = 0
-  for step in progress(range(1, c.steps + 1)):
-    t0 = time.perf_counter()
-    groups, sampled = [], []
-    for round_ in range(1, rounds + 1):
-      # DAPO dynamic sampling (rounds > 1): a group whose rewards all tie has no
-      # advantage; fresh prompts (twice as many as missing) replace it, and the last round
-      # fills what is still missing with whatever it drew
-      need = c.prompts_per_step - len(groups)
-      n = need if rounds == 1 else 2 * need
-      drawn = generate_groups(run.engine, run.env, list(itertools.islice(tasks, n)),
-                              group_size=c.group_size, sampling=sampling,
-                              seed=run.config.seed, first_request_id=next_request)
-      next_request += n
-      sampled += [t for g in drawn for t in g.trajectories]
-      drawn.sort(key=lambda g: not has_signal(g.trajectories))  # stable: signal first
-      groups += [g for g in drawn if round_ == rounds or has_signal(g.trajectories)][:need]
-      if len(groups) == c.prompts_per_step:
-        break
-    t1 = time.perf_counter()
-    metrics = train_on_groups(run, grpo_state, [g.trajectories for g in groups])
-    t2 = time.perf_counter()
-    run.engine.update_weights(run.serve(run.state), run.version)
-    run.timings["rollout_s"] += t1 - t0
-    run.timings["train_s"] += t2 - t1
-    record = run.log.write("grpo", run.version, metrics | rollout_stats(sampled) | {
-        "groups_sampled": len(sampled) // c.group_size,
-        "rollout_s": t1 - t0, "train_s": t2 - t1,
-        "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
-    if on_step is not None:
-      on_step(record)
-    if e.every and step % e.every == 0 and step != c.steps:
-      run_eval(run, run.version, f"step{step}")
-  return {"steps": c.steps, "rl_wall_s": round(time.perf_counter() - start, 2),
-          "ttb_s": round(run.timings["rollout_s"] / max(c.steps, 1), 3)}
-
-
 def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> dict:
+  """The run's summary: held-out results before/after, mismatch, timings, and `extra`."""
   by_name = {e["name"]: e for e in evals}
   k = run.config.eval.k
   out = {
@@ -370,39 +315,10 @@ def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> di
       "heldout_reward_after": by_name["after"]["reward_greedy"],
       "heldout_tasks": len(run.heldout),
       "steps": run.version,
-      "mismatch_max_abs": run.mismatch_max_abs,
+      "mismatch_max_abs": run.mismatch.value,  # None: no token was checked
+      "mismatch_tokens": run.mismatch.tokens,
       "rollout_s": round(run.timings["rollout_s"], 1),
       "train_s": round(run.timings["train_s"], 1),
       "wall_s": round(wall_s, 1),
   }
   return out | extra
-
-
-def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
-                   progress: Callable[..., Iterator] | None = None) -> dict:
-  """The whole synchronous experiment; returns the summary (also the last JSONL record)."""
-  t0 = time.perf_counter()
-  bar = progress or (lambda it, **_: iter(it))
-  sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
-  if not config.sft.load and config.sft.steps and os.path.exists(sft_dir):
-    raise FileExistsError(f"{sft_dir} exists (an earlier run's): use a fresh workdir, or "
-                          f"--config.sft.load={sft_dir} to start from it")
-  run = setup(config, workdir)
-  evals = [run_eval(run, 0, "init")]
-  extra: dict[str, Any] = {}
-  if config.sft.load:
-    load_params(run, config.sft.load)
-    extra["sft_loaded_from"] = config.sft.load
-  elif config.sft.steps:
-    extra |= sft(run, functools.partial(bar, desc="sft"))
-    save_params(run, sft_dir)
-  evals.append(run_eval(run, 0, "before"))
-  extra |= grpo(run, functools.partial(bar, desc="grpo"))
-  evals.append(run_eval(run, run.version, "after"))
-  summary = summarize(run, evals, time.perf_counter() - t0, extra)
-  run.log.write("summary", run.version, {k: v for k, v in summary.items()
-                                         if isinstance(v, (int, float))})
-  run.log.close()
-  plot_reward_curve(read_jsonl(run.log.jsonl_path), os.path.join(workdir, "reward_curve.png"),
-                    title=f"{config.name} seed {config.seed} ({run.numerics.mode})")
-  return summary

@@ -1,0 +1,97 @@
+"""The lockstep GRPO loop: rollouts and updates take turns in one process.
+
+    init ─► SFT warm start (or an SFT checkpoint) ─► eval ─► [rollout v ─► update ─► v+1]* ─► eval
+
+One process holds the train state and a DecodeEngine. Each GRPO step samples a group of
+episodes per train task with the serving params of version v (the bf16 cast of the f32
+masters), scores them with the env, and runs one update (`core.train_on_groups`); the
+engine then gets version v+1. Held-out evaluation (greedy pass@1, sampled pass@k) runs at
+init, after SFT ("before"), every `eval.every` steps and at the end ("after"). Metrics go
+to `<workdir>/metrics.jsonl` and TensorBoard; the reward curve to
+`<workdir>/reward_curve.png`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import ml_collections
+
+from rljax.pipeline import core
+from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
+from rljax.pipeline.rollout import generate_groups
+from rljax.pipeline.run import LOCKSTEP, build
+
+
+def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
+         on_step: Callable[[dict], None] | None = None) -> dict:
+  """`rl.steps` synchronous GRPO steps; returns run totals: rl_wall_s (the loop, evals
+  between steps included) and ttb_s (mean time-to-trainable-batch: a step's rollout)."""
+  start = time.perf_counter()
+  c = run.config.rl
+  grpo_state = core.grpo_learner(run)
+  tasks = core.task_stream(run.env, c.num_tasks, run.config.seed)
+  e = run.config.eval
+  rounds = c.dynamic_sampling_rounds
+  next_request = 0
+  for step in progress(range(1, c.steps + 1)):
+    t0 = time.perf_counter()
+    groups, sampled = [], []
+    for round_ in range(1, rounds + 1):
+      # DAPO dynamic sampling (rounds > 1): a group whose rewards all tie has no
+      # advantage; fresh prompts (twice as many as missing) replace it, and the last round
+      # fills what is still missing with whatever it drew
+      need = c.prompts_per_step - len(groups)
+      n = need if rounds == 1 else 2 * need
+      drawn = generate_groups(run.engine, run.env, list(itertools.islice(tasks, n)),
+                              group_size=c.group_size, sampling=run.built.sampling,
+                              seed=run.config.seed, first_request_id=next_request)
+      next_request += n
+      sampled += [t for g in drawn for t in g.trajectories]
+      drawn.sort(key=lambda g: not core.has_signal(g.trajectories))  # stable: signal first
+      groups += [g for g in drawn if round_ == rounds or core.has_signal(g.trajectories)][:need]
+      if len(groups) == c.prompts_per_step:
+        break
+    t1 = time.perf_counter()
+    metrics = core.train_on_groups(run, grpo_state, [g.trajectories for g in groups])
+    t2 = time.perf_counter()
+    run.engine.update_weights(run.serve(run.state), run.version)
+    run.timings["rollout_s"] += t1 - t0
+    run.timings["train_s"] += t2 - t1
+    record = run.log.write("grpo", run.version, metrics | core.rollout_stats(sampled) | {
+        "groups_sampled": len(sampled) // c.group_size,
+        "rollout_s": t1 - t0, "train_s": t2 - t1,
+        "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
+    if on_step is not None:
+      on_step(record)
+    if e.every and step % e.every == 0 and step != c.steps:
+      core.run_eval(run, run.version, f"step{step}")
+  return {"steps": c.steps, "rl_wall_s": round(time.perf_counter() - start, 2),
+          "ttb_s": round(run.timings["rollout_s"] / max(c.steps, 1), 3)}
+
+
+def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
+                   progress: Callable[..., Iterator] | None = None) -> dict:
+  """The whole lockstep experiment; returns the summary (also the last JSONL record)."""
+  t0 = time.perf_counter()
+  bar = progress or (lambda it, **_: iter(it))
+  sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
+  built = build(config, LOCKSTEP)
+  core.check_sft_dir(config, sft_dir)
+  run = core.setup(built, workdir)
+  evals = [core.run_eval(run, 0, "init")]
+  extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
+  evals.append(core.run_eval(run, 0, "before"))
+  extra |= grpo(run, functools.partial(bar, desc="grpo"))
+  evals.append(core.run_eval(run, run.version, "after"))
+  summary = core.summarize(run, evals, time.perf_counter() - t0, extra)
+  run.log.write("summary", run.version, {k: v for k, v in summary.items()
+                                         if isinstance(v, (int, float))})
+  run.log.close()
+  plot_reward_curve(read_jsonl(run.log.jsonl_path), os.path.join(workdir, "reward_curve.png"),
+                    title=f"{config.name} seed {config.seed} ({run.numerics.mode})")
+  return summary

@@ -1,0 +1,174 @@
+"""`build(config)`: the one place a config becomes the objects of a run.
+
+Every entry point, the rollout host and the AOT check call it. A config is an
+`ml_collections.ConfigDict` of blocks (see configs/arith_tiny.py for a complete one);
+each caller names the blocks it needs, and a block that is missing, misspelled or short
+of a key is a `ConfigError` naming it, before any model work. Defaults live in the config
+files, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import jax
+import ml_collections
+import optax
+
+from rljax import envs
+from rljax import sharding as sharding_lib
+from rljax.engine.engine import DecodeEngine, SamplingParams
+from rljax.envs.base import Env
+from rljax.model import ModelConfig
+from rljax.numerics import Numerics
+from rljax.rl import learner
+from rljax.rl.losses import LossConfig
+
+TOP_LEVEL = ("name", "seed", "numerics")
+# block -> the keys it must have (model: ModelConfig's own fields, checked by from_dict)
+BLOCKS: dict[str, tuple[str, ...]] = {
+    "model": (),
+    "mesh": (),
+    "env": ("name", "kwargs"),
+    "engine": ("num_slots", "max_seq_len"),
+    "sft": ("load", "steps", "target_pass1", "probe_every", "slow_down_at", "slow_down_factor",
+            "probe_every_slow", "probe_tasks", "batch_size", "microbatches", "learning_rate",
+            "warmup_steps", "final_lr_frac", "weight_decay", "num_tasks", "log_every"),
+    "rl": ("steps", "prompts_per_step", "group_size", "num_tasks", "max_new_tokens",
+           "temperature", "top_k", "top_p", "advantage", "dynamic_sampling_rounds",
+           "learning_rate", "warmup_steps", "final_lr_frac", "adam_b2", "weight_decay",
+           "clip_norm", "microbatches", "router_replay", "loss"),
+    "train": ("row_len",),
+    "eval": ("num_tasks", "k", "n", "temperature", "seed", "every"),
+    "log": ("tensorboard",),
+    "async_rl": ("hosts", "host_groups", "max_staleness", "lease_s", "lease_ttl_s", "poll_s",
+                 "keyframe_every", "checkpoint_every", "check_versions_groups",
+                 "weight_update", "batch_timeout_s"),
+}
+# what each kind of caller needs
+LOCKSTEP = ("model", "mesh", "env", "engine", "sft", "rl", "train", "eval", "log")
+ASYNC_TRAINER = LOCKSTEP + ("async_rl",)
+ROLLOUT_HOST = ("model", "env", "engine", "rl", "async_rl")
+MODEL_ONLY = ("model", "mesh")
+
+
+class ConfigError(ValueError):
+  """A config that cannot make a run; the message names the block and key."""
+
+
+def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
+  needs = tuple(needs)
+  unknown = set(config.keys()) - set(BLOCKS) - set(TOP_LEVEL)
+  if unknown:
+    raise ConfigError(f"unknown config block(s) {sorted(unknown)}; known blocks: "
+                      f"{sorted(BLOCKS)} and top-level keys {list(TOP_LEVEL)}")
+  for key in ("seed", "numerics"):
+    if key not in config:
+      raise ConfigError(f"the config has no top-level {key!r}")
+  for block in needs:
+    if block not in config or not isinstance(config[block], ml_collections.ConfigDict):
+      raise ConfigError(f"the config has no {block!r} block (needed here: {list(needs)}; "
+                        "configs/arith_tiny.py has every block)")
+    missing = [k for k in BLOCKS[block] if k not in config[block]]
+    if missing:
+      raise ConfigError(f"config.{block} is missing {missing}")
+  if "mesh" in needs:
+    bad = set(config.mesh.keys()) - set(sharding_lib.MESH_AXES)
+    if bad:
+      raise ConfigError(f"config.mesh has unknown axes {sorted(bad)}; mesh axes are "
+                        f"{list(sharding_lib.MESH_AXES)}")
+  if "rl" in needs:
+    try:
+      LossConfig(**config.rl.loss.to_dict())
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config.rl.loss: {e}") from None
+
+
+def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
+  """None for a 1-device mesh (plain jit); otherwise a mesh of the first devices."""
+  size = math.prod(int(v) for v in mesh_shape.values())
+  if size == 1:
+    return None
+  if size > jax.device_count():
+    raise ConfigError(f"config.mesh {mesh_shape} needs {size} devices, have "
+                      f"{jax.device_count()}")
+  return sharding_lib.Sharding(sharding_lib.make_mesh(dict(mesh_shape), jax.devices()[:size]))
+
+
+def lr_schedule(c: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+  """Linear warmup to c.learning_rate; then constant (final_lr_frac 1) or cosine decay to
+  learning_rate * final_lr_frac at `steps`."""
+  if c.final_lr_frac == 1.0:
+    return optax.linear_schedule(0.0, c.learning_rate, max(c.warmup_steps, 1))
+  return optax.warmup_cosine_decay_schedule(
+      0.0, c.learning_rate, max(c.warmup_steps, 1), max(steps, c.warmup_steps + 1),
+      end_value=c.learning_rate * c.final_lr_frac)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """The objects of one run, made from its config by `build`."""
+
+  config: ml_collections.ConfigDict
+  cfg: ModelConfig
+  numerics: Numerics
+  sharding: sharding_lib.Sharding | None  # the trainer's mesh (None: one device)
+  env: Env | None
+  sampling: SamplingParams | None  # the rollouts' (rl block)
+  loss: LossConfig | None
+
+  def make_engine(self, params: Any, *, version: int = 0, weight_update: str = "keep",
+                  sharding: sharding_lib.Sharding | None = None) -> DecodeEngine:
+    e = self.config.engine
+    return DecodeEngine(self.cfg, params, numerics=self.numerics, num_slots=e.num_slots,
+                        max_seq_len=e.max_seq_len, eos_id=self.env.tokenizer.eos_id,
+                        version=version, weight_update=weight_update, sharding=sharding)
+
+  def rl_optimizer(self) -> optax.GradientTransformation:
+    c = self.config.rl
+    return learner.make_optimizer(lr_schedule(c, c.steps), weight_decay=c.weight_decay,
+                                  clip_norm=c.clip_norm, b2=c.adam_b2)
+
+  def grpo_step(self, optimizer: optax.GradientTransformation,
+                state_sharding: learner.TrainState | None = None,
+                sharding: sharding_lib.Sharding | None = None):
+    """The jitted GRPO step (`sharding`: the trainer's mesh unless given, e.g. abstract)."""
+    c = self.config.rl
+    return learner.make_grpo_step(self.cfg, optimizer, numerics=self.numerics,
+                                  loss_cfg=self.loss, replay=c.router_replay,
+                                  temperature=c.temperature,
+                                  sharding=sharding or self.sharding,
+                                  state_sharding=state_sharding)
+
+
+def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
+          devices: bool = True) -> Built:
+  """Validates `config` for `needs` and builds the run's objects. `devices=False`: no mesh
+  of real devices (the AOT check lowers on an abstract one)."""
+  validate(config, needs)
+  needs = set(needs)
+  try:
+    cfg = ModelConfig.from_dict(config.model.to_dict())
+    numerics = Numerics(config.numerics)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.model / config.numerics: {e}") from None
+  cfg = cfg.resolved(jax.default_backend(), numerics.mode) if hasattr(cfg, "resolved") else cfg
+  sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
+  env = None
+  if "env" in needs:
+    try:
+      env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config.env: {e}") from None
+    if env.tokenizer.vocab_size > cfg.vocab_size:
+      raise ConfigError(f"the env's tokenizer has {env.tokenizer.vocab_size} ids, the model "
+                        f"(config.model.vocab_size) only {cfg.vocab_size}")
+  sampling = loss = None
+  if "rl" in needs:
+    rl = config.rl
+    sampling = SamplingParams(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                              max_new_tokens=rl.max_new_tokens)
+    loss = LossConfig(**rl.loss.to_dict())
+  return Built(config, cfg, numerics, sharding, env, sampling, loss)
