@@ -115,3 +115,21 @@ def test_every_config_builds_what_it_has_blocks_for(name):
   needs = [b for b in BLOCKS if b in config]
   built = build(config, needs, devices=False)
   assert built.cfg.num_hidden_layers == config.model.num_hidden_layers
+
+
+def test_no_pipeline_module_imports_one_above_it():
+  import ast  # pylint: disable=import-outside-toplevel
+  from rljax import pipeline  # pylint: disable=import-outside-toplevel
+  folder = pathlib.Path(pipeline.__file__).parent
+  modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+  assert modules == set(pipeline.LAYERS), "every pipeline module has its place in LAYERS"
+  for name in pipeline.LAYERS:
+    tree = ast.parse((folder / f"{name}.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module == "rljax.pipeline":
+        imported |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rljax.pipeline."):
+        imported.add(node.module.split(".")[2])
+    above = {m for m in imported if pipeline.LAYERS.index(m) >= pipeline.LAYERS.index(name)}
+    assert not above, f"rljax/pipeline/{name}.py imports {sorted(above)} (above it)"

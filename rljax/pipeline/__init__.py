@@ -1,1 +1,17 @@
-"""Loops around the engine and the learner: episodes, evaluation, metrics, the sync loop."""
+"""The loops around the engine and the learner, bottom to top: a module imports only the
+modules before it in `LAYERS` (tests/test_configs.py checks it).
+
+  npz, metrics, layout     encodings, run metrics, the storage root's layout
+  wire, work_queue         groups as arrays; the prompt-group work queue on a store
+  lineage                  which groups each async update trained on
+  rollout, evaluate        episodes on the engine; held-out pass@k
+  run                      build(config): the one place a config becomes objects
+  core                     what both loops share: Run, SFT, evaluation, one GRPO update
+  fidelity                 re-scoring tokens with the version that sampled them
+  lockstep                 the lockstep loop (rollout, then update, in one process)
+  host, launch             an async rollout host; starting host processes
+  async_loop               the async trainer
+"""
+
+LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
+          "run", "core", "fidelity", "lockstep", "host", "launch", "async_loop")
