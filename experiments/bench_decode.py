@@ -8,7 +8,8 @@ and eager attention (the fastest HF setting measured on this CPU; bf16 matmuls o
 torch are slower), timed each round with 1 and with 2 torch threads and the faster one
 counted: on a loaded 2-core machine torch's 2-thread matmuls slowed HF 10-20x (its
 threads wait on each other), which made the ratio meaningless; naive: rljax's own forward
-over the whole padded sequence every step.
+over the whole padded sequence every step, through a fresh paged KV (the engine's MoE and
+attention paths; nothing cached between steps).
 Timing: the contenders alternate (A B C, repeated), and ratios are medians of per-round
 ratios. Last line: one JSON object.
 """
@@ -16,7 +17,6 @@ ratios. Last line: one JSON object.
 import rljax  # noqa: F401  (XLA flags first)
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import tiny_moe
+from experiments import machine_info
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
-from rljax.model import ModelConfig, forward
+from rljax.model import ModelConfig, PagedKV, forward, scoring
 from rljax.model.hf_import import hf_config_kwargs, load_hf_checkpoint
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
@@ -75,8 +76,17 @@ def main(_):
   def run_engine(mode):
     return engines[mode].generate([Request(i, prompts[i], sampling=greedy) for i in range(BATCH)])
 
-  naive_fwd = jax.jit(lambda p, t: forward(p, t, jnp.broadcast_to(jnp.arange(max_len), t.shape),
-                                           cfg=cfg).logits)
+  # naive: the whole padded sequence through a fresh paged KV every step. `forward` picks
+  # its MoE and attention paths by whether it gets a KV (the engine's: dense experts on
+  # CPU, paged attention), so the naive baseline runs the engine's path, reusing nothing.
+  blocks = -(-max_len // cfg.page_size)
+  pool = (cfg.num_hidden_layers, 1 + BATCH * blocks, cfg.page_size, cfg.num_key_value_heads,
+          cfg.head_dim)
+  table = jnp.asarray(1 + np.arange(BATCH * blocks).reshape(BATCH, blocks), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (BATCH, max_len))
+  naive_fwd = jax.jit(lambda p, t: forward(
+      p, t, positions, cfg=cfg, kv=PagedKV(jnp.zeros(pool, cfg.compute_dtype),
+                                           jnp.zeros(pool, cfg.compute_dtype), table)).logits)
 
   def run_naive():
     toks = np.zeros((BATCH, max_len), np.int32)
@@ -125,11 +135,10 @@ def main(_):
   targets = np.concatenate([pk.tokens[:, 1:], np.zeros_like(pk.tokens[:, :1])], axis=1)
   lp = jax.jit(lambda p: forward(p, pk.tokens, pk.positions, cfg=cfg, numerics=Numerics(
       "deterministic"), segment_ids=pk.segment_ids, targets=targets).logprobs)(params)
-  diff = 0.0
-  for t, row in zip(trajs, unpack(np.asarray(lp), pk)):
-    n_p = len(t.prompt_ids)
-    diff = max(diff, float(np.max(np.abs(row[n_p - 1:n_p - 1 + len(t.completion_ids)]
-                                         - t.behaviour_logprobs))))
+  rows = unpack(np.asarray(lp), pk)
+  diff = scoring.max_abs_diff(  # NaN anywhere -> NaN
+      [row[len(t.prompt_ids) - 1:len(t.prompt_ids) - 1 + len(t.completion_ids)]
+       for t, row in zip(trajs, rows)], [t.behaviour_logprobs for t in trajs])
   waste = max(e.max_waste_pages for e in (*engines.values(), share))
   print(json.dumps({
       "workload": f"tiny Qwen3-MoE via HF importer; batch {BATCH}, prompt {PROMPT}, {NEW} new "
@@ -147,7 +156,7 @@ def main(_):
       "det_engine_vs_trainer_max_abs_diff": diff,
       "decode_traces": {m: e.trace_counts["decode"] for m, e in engines.items()},
       "rounds": _ROUNDS.value,
-      "loadavg_1m": round(os.getloadavg()[0], 2),  # other processes on this machine's cores
+      "machine": machine_info.machine(),
   }))
 
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import machine_info
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 _B = flags.DEFINE_integer("batch", 64, "sequences (one query token each)")
@@ -49,7 +50,7 @@ _PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
 
 
 def _emit(result: dict) -> None:
-  print(json.dumps(result, sort_keys=True))
+  print(json.dumps({**result, "machine": machine_info.machine()}, sort_keys=True))
 
 
 def _time(fn, warmup: int, iters: int) -> float:

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from configs import tiny_moe  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.model import ModelConfig, forward, init_params, param_shardings  # noqa: E402
+from rljax.model import scoring  # noqa: E402
 from rljax.model.packing import pack  # noqa: E402
 from rljax.numerics import Numerics  # noqa: E402
 
@@ -78,10 +79,9 @@ def main():
         lp, grads = run(cfg, params, numerics, sharding)
         entry = {"logprob_max_abs_diff": float(np.max(np.abs(lp - ref_lp) * mask))}
         if grads is not None:
-          scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
-          entry["grad_max_abs_diff_rel"] = max(
-              float(jnp.max(jnp.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-              for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) / scale
+          scale = scoring.nan_max(np.abs(g) for g in jax.tree.leaves(ref_grads))
+          entry["grad_max_abs_diff_rel"] = scoring.max_abs_diff(
+              jax.tree.leaves(grads), jax.tree.leaves(ref_grads)) / scale
         results[f"{dtype}/{mode}/{name}"] = entry
   print(json.dumps(results))
 

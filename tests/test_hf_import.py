@@ -7,17 +7,18 @@ import os
 import shutil
 
 import pytest
+# test extras (pyproject [test]): plain imports, so a missing one fails the run instead of
+# skipping the strongest oracle silently
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import jax  # (rljax, imported by conftest, installs the XLA flags first)
+import numpy as np
+from safetensors.numpy import load_file, save_file
 
-import jax  # noqa: E402  (rljax, imported by conftest, installs the XLA flags first)
-import numpy as np  # noqa: E402
-from safetensors.numpy import load_file, save_file  # noqa: E402
-
-from rljax.model import forward  # noqa: E402
-from rljax.model.hf_import import config_from_hf, hf_config_kwargs, load_hf_checkpoint  # noqa: E402
-from rljax.numerics import Numerics  # noqa: E402
+from rljax.model import forward
+from rljax.model.hf_import import config_from_hf, hf_config_kwargs, load_hf_checkpoint
+from rljax.numerics import Numerics
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax.model import PagedKV, forward
+from rljax.model import PagedKV, forward, scoring
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
 
@@ -42,7 +42,7 @@ def _packed_logprobs(params, cfg, numerics, seqs, num_rows=None, row_len=ROW):
 
 
 def _max_diff(a, b):
-  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+  return scoring.max_abs_diff(a, b)  # NaN anywhere -> NaN (Python's max would hide it)
 
 
 def _check(numerics, expected, actual, what):
@@ -185,7 +185,6 @@ def test_fast_and_det_agree_closely(tiny_cfg, tiny_params):
 
 
 def test_scoring_helpers_agree_bitwise(tiny_cfg, tiny_params):
-  from rljax.model import scoring  # pylint: disable=g-import-not-at-top
   seqs = _sequences(4, [9, 33, 17, 40], tiny_cfg.vocab_size, seed=8)
   train = scoring.packed_logprobs(tiny_params, seqs, cfg=tiny_cfg, numerics=DET, row_len=64)
   decode = scoring.paged_decode_logprobs(tiny_params, seqs, cfg=tiny_cfg, numerics=DET,

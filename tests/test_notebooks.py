@@ -11,12 +11,12 @@ import pathlib
 import sys
 import time
 
+import nbclient  # test extras: a missing one fails the run, never skips it
+import nbformat
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
-from jupyter_client.manager import KernelManager  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -4,7 +4,7 @@ are the same bits; experiments and benchmarks compare them with these helpers.""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,5 +63,28 @@ def paged_decode_logprobs(params: Any, seqs: Sequence[np.ndarray], *, cfg: Model
   return [out[i, :len(s) - 1] for i, s in enumerate(seqs)]
 
 
+def nan_max(values: Iterable[Any]) -> float:
+  """The largest element over scalars or arrays; NaN if any element is NaN.
+
+  Python's `max` keeps whichever operand it compared first when a comparison with NaN is
+  False, so `max(0.0, nan)` is 0.0 and a NaN anywhere but first vanishes from a check.
+  """
+  maxima = [np.max(np.asarray(v, np.float64)) for v in values if np.size(v)]
+  if not maxima:
+    raise ValueError("nan_max of nothing: no values to compare")
+  return float(np.max(maxima))
+
+
 def max_abs_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
-  return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+  """max |x - y| over pairs of arrays of the same shapes; NaN if either side has a NaN
+  anywhere (equal infinities count as equal). `== 0.0` is a bitwise check on finite
+  values (up to the sign of zero)."""
+  if len(a) != len(b):
+    raise ValueError(f"max_abs_diff: {len(a)} arrays vs {len(b)}")
+  diffs = []
+  for i, (x, y) in enumerate(zip(a, b)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if x.shape != y.shape:
+      raise ValueError(f"max_abs_diff: array {i} has shape {x.shape} vs {y.shape}")
+    diffs.append(np.where(x == y, 0.0, np.abs(x - y)))
+  return nan_max(diffs)
