@@ -23,7 +23,9 @@ Codecs (chosen by measurement, see `experiments/bench_delta.py`):
                on RL updates, ~15% slower; both far above the throughput goals).
 
 Every codec is vectorised numpy (no Python loop over elements). Add one by subclassing
-`Codec` and calling `register`.
+`Codec` and calling `register`. `decode` takes untrusted bytes: on anything malformed it
+raises ValueError (never another exception, never a patch outside the tensor), before
+allocating more than the object's bounds allow.
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def _pack_unary(q: np.ndarray) -> bytes:
 
 
 def _unpack_unary(buf: bytes, m: int) -> np.ndarray:
+  if m > 8 * len(buf):
+    raise ValueError("corrupt unary stream: too short")
   ends = np.flatnonzero(np.unpackbits(np.frombuffer(buf, np.uint8)))[:m]
   if ends.size != m:
     raise ValueError("corrupt unary stream")
@@ -151,6 +155,8 @@ def _pack_fixed(r: np.ndarray, k: int) -> bytes:
 
 
 def _unpack_fixed(buf: bytes, m: int, k: int) -> np.ndarray:
+  if len(buf) != (m * k + 7) // 8:
+    raise ValueError(f"corrupt fixed-width stream: {len(buf)} bytes for {m} x {k} bits")
   if k == 0:
     return np.zeros(m, np.int64)
   bits = np.unpackbits(np.frombuffer(buf, np.uint8), count=m * k).reshape(m, k)
@@ -194,7 +200,7 @@ def _varint_encode(v: np.ndarray) -> np.ndarray:
 
 def _varint_decode(b: np.ndarray, m: int) -> np.ndarray:
   ends = np.flatnonzero(b < 0x80)
-  if ends.size != m:
+  if ends.size != m or (m and ends[-1] != b.size - 1) or np.any(np.diff(ends, prepend=-1) > 5):
     raise ValueError("corrupt varint stream")
   starts = np.concatenate([[0], ends[:-1] + 1]) if m else ends
   nb = ends - starts + 1
@@ -203,6 +209,36 @@ def _varint_decode(b: np.ndarray, m: int) -> np.ndarray:
     sel = nb > j
     v[sel] |= (b[starts[sel] + j].astype(np.int64) & 0x7F) << (7 * j)
   return v
+
+
+def _unzstd(data: bytes, max_size: int) -> bytes:
+  """zstd frame -> at most `max_size` bytes (ValueError if it holds more or is corrupt)."""
+  try:
+    claimed = zstandard.frame_content_size(data)  # -1: not recorded
+    if claimed > max_size:
+      raise ValueError(f"corrupt zstd frame: {claimed} bytes, at most {max_size} expected")
+    out = zstandard.ZstdDecompressor().decompress(data, max_output_size=max(max_size, 1))
+  except zstandard.ZstdError as e:
+    raise ValueError(f"corrupt zstd frame: {e}") from e
+  if len(out) > max_size:
+    raise ValueError(f"corrupt zstd frame: {len(out)} bytes, at most {max_size} expected")
+  return out
+
+
+def _positions(gaps: np.ndarray, size: int) -> np.ndarray:
+  """Gaps between changed positions -> [m] increasing positions, all in [0, size)."""
+  if gaps.size and (gaps.min() < 0 or gaps.max() >= size):
+    raise ValueError(f"corrupt object: a gap outside [0, {size})")
+  pos = np.cumsum(gaps + 1) - 1  # each step < 2**63: a wrap would show as a decrease
+  if pos.size and (pos[-1] >= size or np.any(np.diff(pos) <= 0)):
+    raise ValueError(f"corrupt object: positions outside [0, {size})")
+  return pos
+
+
+def _header(head: struct.Struct, data: bytes) -> tuple:
+  if len(data) < head.size:
+    raise ValueError(f"corrupt object: {len(data)} bytes, shorter than its header")
+  return head.unpack_from(data)
 
 
 # ---- the interface ----
@@ -275,8 +311,7 @@ class Zstd(Codec):
     return zstandard.ZstdCompressor(level=self.level).compress(new.tobytes())
 
   def decode(self, data, size, itemsize):
-    raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size * itemsize)
-    return Raw().decode(raw, size, itemsize)
+    return Raw().decode(_unzstd(data, size * itemsize), size, itemsize)
 
 
 class XorZstd(Codec):
@@ -290,7 +325,7 @@ class XorZstd(Codec):
     return zstandard.ZstdCompressor(level=self.level).compress((old ^ new).tobytes())
 
   def decode(self, data, size, itemsize):
-    raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=size * itemsize)
+    raw = _unzstd(data, size * itemsize)
     if len(raw) != size * itemsize:
       raise ValueError("corrupt xor-zstd object")
     x = np.frombuffer(raw, _UINT[itemsize])
@@ -317,21 +352,17 @@ class SparseZstd(Codec):
     return self._HEAD.pack(pos.size) + zstandard.ZstdCompressor(level=self.level).compress(body)
 
   def decode(self, data, size, itemsize):
-    (m,) = self._HEAD.unpack_from(data)
-    body = np.frombuffer(zstandard.ZstdDecompressor().decompress(
-        data[self._HEAD.size:], max_output_size=m * (5 + itemsize)), np.uint8)
+    (m,) = _header(self._HEAD, data)
+    if m > size:
+      raise ValueError(f"corrupt sparse-zstd object: {m} changes in {size} elements")
+    body = np.frombuffer(_unzstd(data[self._HEAD.size:], m * (5 + itemsize)), np.uint8)
     n_gap_bytes = body.size - m * itemsize
-    gaps = _varint_decode(body[:n_gap_bytes], m)
-    pos = np.cumsum(gaps + 1) - 1
+    if n_gap_bytes < m:
+      raise ValueError("corrupt sparse-zstd object: truncated")
+    pos = _positions(_varint_decode(body[:n_gap_bytes], m), size)
     planes = body[n_gap_bytes:].reshape(itemsize, m).T
     x = np.ascontiguousarray(planes).view(_UINT[itemsize]).reshape(-1)
-    _check_positions(pos, size)
     return Patch("xor", pos, x, size)
-
-
-def _check_positions(pos: np.ndarray, size: int) -> None:
-  if pos.size and (pos[0] < 0 or pos[-1] >= size):
-    raise ValueError(f"corrupt object: positions outside [0, {size})")
 
 
 class Rice(Codec):
@@ -345,6 +376,7 @@ class Rice(Codec):
 
   name, keyframe = "rice", False
   ESCAPE = 16  # a unary quotient of ESCAPE means "the full step follows in the escapes"
+  MAX_K_GAP, MAX_K_MAG = 40, 8  # what `encode` can choose
   _HEAD = struct.Struct("<QQBBB5xIIIII")
 
   def encode(self, new, old):
@@ -353,12 +385,12 @@ class Rice(Codec):
     bits = 8 * itemsize
     pos = changed_positions(old, new)
     gaps = np.diff(pos, prepend=-1) - 1
-    k_gap = _rice_k(gaps, 40)
+    k_gap = _rice_k(gaps, self.MAX_K_GAP)
     step = ordered(new[pos]).astype(np.int64) - ordered(old[pos]).astype(np.int64)
     step = ((step + (1 << (bits - 1))) & ((1 << bits) - 1)) - (1 << (bits - 1))  # wrap
     neg = step < 0
     mag = np.abs(step) - 1
-    k_mag = _rice_k(np.minimum(mag, 255), 8)
+    k_mag = _rice_k(np.minimum(mag, 255), self.MAX_K_MAG)
     q_mag = mag >> k_mag
     esc = q_mag >= self.ESCAPE
     q_mag = np.where(esc, self.ESCAPE, q_mag)
@@ -372,28 +404,34 @@ class Rice(Codec):
     return head + b"".join(streams) + escapes
 
   def decode(self, data, size, itemsize):
-    n, m, k_gap, k_mag, isz, *lengths = self._HEAD.unpack_from(data)
+    n, m, k_gap, k_mag, isz, *lengths = _header(self._HEAD, data)
     if n != size or isz != itemsize:
       raise ValueError(f"rice object is for {n} x {isz} bytes, expected {size} x {itemsize}")
+    if m > n or k_gap > self.MAX_K_GAP or k_mag > self.MAX_K_MAG:
+      raise ValueError(f"corrupt rice header: m={m} n={n} k_gap={k_gap} k_mag={k_mag}")
     n_esc_bytes = len(data) - self._HEAD.size - sum(lengths)
     if n_esc_bytes < 0:
       raise ValueError("corrupt rice object: truncated")
     u_gap, f_gap, signs, u_mag, f_mag, escapes = _split(
         data, self._HEAD.size, (*lengths, n_esc_bytes))
     bound = n // 8 + 2 * m + 64  # no unary stream is longer: refuse decompression bombs
-    gaps = (_unpack_unary(self._unsqueeze(u_gap, bound), m) << k_gap) | _unpack_fixed(
-        f_gap, m, k_gap)
-    pos = np.cumsum(gaps + 1) - 1
-    _check_positions(pos, size)
+    q_gap = _unpack_unary(self._unsqueeze(u_gap, bound), m)
+    if q_gap.size and q_gap.max() > (n >> k_gap):
+      raise ValueError("corrupt rice object: a gap beyond the tensor")
+    pos = _positions((q_gap << k_gap) | _unpack_fixed(f_gap, m, k_gap), size)
+    if len(signs) != (m + 7) // 8:
+      raise ValueError("corrupt rice object: sign bits")
     neg = np.unpackbits(np.frombuffer(signs, np.uint8), count=m).astype(bool)
     q_mag = _unpack_unary(self._unsqueeze(u_mag, 8 * m + 64), m)
+    if q_mag.size and q_mag.max() > self.ESCAPE:
+      raise ValueError("corrupt rice object: a magnitude beyond the escape")
     esc = q_mag == self.ESCAPE
     mag = (q_mag << k_mag) | _unpack_fixed(f_mag, m, k_mag)
     uint = _UINT[itemsize]
     step = np.where(neg, -(mag + 1), mag + 1).astype(uint)
-    esc_values = np.frombuffer(escapes, uint)
-    if esc_values.size != int(esc.sum()):
+    if len(escapes) != int(esc.sum()) * itemsize:
       raise ValueError("corrupt rice object: escape count")
+    esc_values = np.frombuffer(escapes, uint)
     step[esc] = esc_values
     return Patch("add", pos, step, size)
 
@@ -417,10 +455,7 @@ class RiceZstd(Rice):
     return zstandard.ZstdCompressor(level=1).compress(stream)
 
   def _unsqueeze(self, stream, bound):
-    try:
-      return zstandard.ZstdDecompressor().decompress(stream, max_output_size=bound)
-    except zstandard.ZstdError as e:
-      raise ValueError(f"corrupt rice-zstd stream: {e}") from e
+    return _unzstd(stream, bound)
 
 
 for _codec in (Raw(), Zstd(), XorZstd(), SparseZstd(), Rice(), RiceZstd()):

@@ -6,7 +6,10 @@ and whenever there is no parent; a keyframe with a parent also gets deltas, so f
 never download full weights), then `manifests/{version}.json`, then `latest`. A
 version whose manifest is absent does not exist for readers, so a publisher killed
 midway leaves nothing visible; its orphan objects are deleted when a publisher next opens
-the store (so a store has one publisher at a time).
+the store (so a store has one publisher at a time). A manifest that does not parse (see
+`Manifest.from_bytes`) is moved to `set_aside/` then, with a warning, and listed in
+`set_aside`; the publisher continues after the newest intact version, and after `resume`
+publishes a keyframe first when the resumed version's chain runs through a set-aside one.
 
 Under multi-process JAX every process codes and writes only the shards it holds (replica
 0 of each), plus an index of its shard entries; process 0 merges the indexes into the
@@ -20,6 +23,7 @@ dtype, bf16 by default: 2 bytes per parameter).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Mapping
 
@@ -30,6 +34,8 @@ import numpy as np
 from rljax.sync import codecs
 from rljax.sync import manifest as fmt
 from rljax.sync.store import Store
+
+log = logging.getLogger(__name__)
 
 
 def _barrier(name: str) -> None:
@@ -84,6 +90,7 @@ class Publisher:
     self._parent_version: int | None = None  # the version `_parent` holds the bits of
     self._since_keyframe = 0
     self._history: dict[int, int] = {}  # version -> the keyframe its chain starts from
+    self.set_aside: list[int] = []  # versions whose corrupt manifests `_recover` moved
     self._recover()
 
   # ---- state ----
@@ -94,23 +101,45 @@ class Publisher:
     return max(self._history) if self._history else None
 
   def _recover(self) -> None:
-    """Reads the versions in the store and deletes orphans of an interrupted publish."""
+    """Reads the versions in the store, sets corrupt manifests aside and deletes orphans
+    of an interrupted publish."""
     versions = [v for v in map(fmt.parse_manifest_key, self.store.list(fmt.MANIFESTS))
                 if v is not None]
-    manifests = self.store.read_many(fmt.manifest_key(v) for v in versions)
-    self._history = {v: fmt.Manifest.from_bytes(m).keyframe_version
-                     for v, m in zip(versions, manifests) if m is not None}
+    raws = self.store.read_many(fmt.manifest_key(v) for v in versions)
+    corrupt = {}
+    for v, raw in zip(versions, raws):
+      if raw is None:
+        continue
+      try:
+        m = fmt.Manifest.from_bytes(raw)
+        if m.version != v:
+          raise fmt.StreamError(f"it says version {m.version}")
+        self._history[v] = m.keyframe_version
+      except fmt.StreamError as e:
+        corrupt[v] = (raw, e)
+    self.set_aside = sorted(corrupt)
+    _barrier("rljax.sync.publisher.recover.read")
     if jax.process_index() == 0:
+      for v, (raw, e) in corrupt.items():
+        log.warning("weight stream %s: manifest of version %d is corrupt (%s); moved to %s",
+                    self.store, v, e, fmt.set_aside_key(v))
+        self.store.write(fmt.set_aside_key(v), raw)
+        self.store.delete(fmt.manifest_key(v))
       newest = self.version
       start = fmt.OBJECTS if newest is None else fmt.objects_prefix(newest + 1)
       self.store.delete_range(start, fmt.OBJECTS[:-1] + chr(ord("/") + 1))
-      if newest is not None and self._read_latest() != newest:
+      if newest is None:
+        self.store.delete(fmt.LATEST_KEY)
+      elif self._read_latest() != newest:
         self._write_latest(newest)
     _barrier("rljax.sync.publisher.recover")
 
   def _read_latest(self) -> int | None:
     raw = self.store.read(fmt.LATEST_KEY)
-    return None if raw is None else int(json.loads(raw)["version"])
+    try:
+      return None if raw is None else fmt.parse_latest(raw)
+    except fmt.StreamError:
+      return None  # rewritten
 
   def _write_latest(self, version: int) -> None:
     self.store.write(fmt.LATEST_KEY, json.dumps({"version": version}).encode())
@@ -142,6 +171,8 @@ class Publisher:
       raise fmt.StreamError(f"params and version {version} name different tensors")
     self._parent, self._parent_version = parent, version
     self._since_keyframe = sum(1 for v in self._history if m.keyframe_version < v <= version)
+    if any(m.keyframe_version <= v <= version for v in self.set_aside):
+      self._since_keyframe = self.keyframe_every  # subscribers cannot follow that chain
 
   # ---- publish ----
 

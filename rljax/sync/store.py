@@ -105,6 +105,10 @@ class Store:
     for f in futures:
       f.result()
 
+  def delete(self, key: str) -> None:
+    self._writable()
+    self.kvstore.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+
   def delete_prefix(self, prefix: str) -> None:
     self._writable()
     self.kvstore.delete_range(_prefix_range(prefix)).result()

@@ -15,8 +15,11 @@
 When the chain has a gap (a manifest was garbage-collected), an object stays corrupt
 after the retries, or a version fails verification, the subscriber falls back to the
 latest keyframe and the deltas after it, as far as they verify. A new subscriber joins
-the same way. Weights that failed verification are never handed out: `params` is always
-a verified version. A keyframe is built on the host and verified before it replaces the
+the same way. When `latest` itself cannot be reached (its manifest missing or corrupt,
+its keyframe unreadable), the subscriber walks back to the newest older version it can
+reach. Weights that failed verification are never handed out: `params` is always
+a verified version. Nothing read from the store makes `poll()` raise: every problem is
+recorded in `stats.errors` and the weights stay at the last verified version. A keyframe is built on the host and verified before it replaces the
 weights (a join holds a second copy until then; call `release()` first to avoid that).
 """
 
@@ -44,18 +47,6 @@ _MIN_BUCKET = 1024
 # ---- device apply ----
 
 
-def _ordered(u):
-  b = 8 * u.dtype.itemsize
-  top = 1 << (b - 1)
-  return u ^ ((u >> (b - 1)) * (top - 1) | top).astype(u.dtype)
-
-
-def _unordered(o):
-  b = 8 * o.dtype.itemsize
-  top = 1 << (b - 1)
-  return o ^ ((1 - (o >> (b - 1))) * (top - 1) | top).astype(o.dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def _device_apply_fn(kind: str, sharding: jax.sharding.Sharding):
   """jit(x, positions [B] int32, values [B] uint) -> x with the patch applied, x donated.
@@ -67,7 +58,7 @@ def _device_apply_fn(kind: str, sharding: jax.sharding.Sharding):
       new = values
     else:
       old = u.at[positions].get(mode="fill", fill_value=0)
-      new = old ^ values if kind == "xor" else _unordered(_ordered(old) + values)
+      new = old ^ values if kind == "xor" else codecs.unordered(codecs.ordered(old) + values)
     u = u.at[positions].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
     return jax.lax.bitcast_convert_type(u.reshape(x.shape), x.dtype)
 
@@ -126,10 +117,12 @@ class Stats:
   bytes_fetched: int = 0
   last_apply_pause_s: float = 0.0  # weights unusable: scatter + verification
   last_decode_s: float = 0.0
-  errors: list[str] = dataclasses.field(default_factory=list)
+  errors: list[str] = dataclasses.field(default_factory=list)  # the last 20
+  error_count: int = 0
 
   def error(self, msg: str) -> None:
     self.errors = (self.errors + [msg])[-20:]
+    self.error_count += 1
 
 
 class Subscriber:
@@ -140,15 +133,21 @@ class Subscriber:
   """
 
   def __init__(self, store: "Store | str", *,
-               shardings: "Mapping[str, Any] | ShardingFn | None" = None, retries: int = 1):
+               shardings: "Mapping[str, Any] | ShardingFn | None" = None, retries: int = 1,
+               walk_back: int = 16):
+    """walk_back: how many older version numbers to try when `latest` cannot be reached
+    and the store cannot list (http); a listable store names the versions it holds."""
     self.store = Store.open(store)
     self.retries = retries
+    self.walk_back = walk_back
     self._sharding_of = _sharding_fn(shardings)
     self._tensors: dict[str, jax.Array] | None = None
     self.version: int | None = None
     self.stats = Stats()
     self._manifests: dict[int, fmt.Manifest] = {}
     self._diverged = False  # a delta failed verification on our weights (rolled back)
+    # ("manifest" | "delta" | "keyframe", version) found unreadable during this poll
+    self._bad: set[tuple[str, int]] = set()
 
   @property
   def params(self) -> dict[str, Any]:
@@ -172,17 +171,36 @@ class Subscriber:
     if raw is None:
       return None
     try:
-      return int(json.loads(raw)["version"])
-    except (ValueError, KeyError, TypeError) as e:
+      return fmt.parse_latest(raw)
+    except fmt.StreamError as e:
       self.stats.error(f"unreadable {fmt.LATEST_KEY!r}: {e}")
       return None
 
   def poll(self) -> int | None:
-    """Moves to the newest complete version; returns it, or None if nothing changed."""
+    """Moves to the newest complete version it can verify; returns it, or None if nothing
+    changed."""
     start = self.version
+    self._bad = set()
     target = self.latest()
-    if target is None or (self.version is not None and target <= self.version):
+    if target is None or (start is not None and target <= start):
       return None
+    self._move_to(target)
+    if self.version != target:
+      for v in self._older_versions(target, self.version):
+        before = self.version
+        self._move_to(v)
+        if self.version != before:
+          break
+      if self.version != start:
+        self._move_to(target)  # from a version reached by walking back, deltas may lead on
+    self._manifests = {v: m for v, m in self._manifests.items()
+                       if self.version is not None and v > self.version}
+    return self.version if self.version != start else None
+
+  def _move_to(self, target: int) -> None:
+    """Deltas from our version to `target`, or its keyframe and the deltas after it."""
+    if self.version is not None and target <= self.version:
+      return
     chain = None if self.version is None else self._chain(self.version, target)
     by_keyframe = chain is not None and self._keyframe_is_cheaper(chain, target)
     if chain is not None and not by_keyframe:
@@ -191,29 +209,43 @@ class Subscriber:
       if self.version is not None and not by_keyframe:
         self.stats.fallbacks += 1  # a gap, or a version that did not verify
       self._join(target, chain_tried=chain is not None and not by_keyframe)
-    self._manifests = {v: m for v, m in self._manifests.items()
-                       if self.version is not None and v > self.version}
-    return self.version if self.version != start else None
+
+  def _older_versions(self, target: int, floor: int | None) -> list[int]:
+    """Versions in (floor, target), newest first: those the store lists, or (a store
+    that cannot list) the `walk_back` numbers below `target`."""
+    lo = -1 if floor is None else floor
+    if self.store.can_list:
+      listed = (fmt.parse_manifest_key(k) for k in self.store.list(fmt.MANIFESTS))
+      return sorted((v for v in listed if v is not None and lo < v < target), reverse=True)
+    return list(range(target - 1, max(lo, target - 1 - self.walk_back), -1))
 
   def _manifest(self, version: int) -> fmt.Manifest | None:
+    if ("manifest", version) in self._bad:
+      raise fmt.StreamError(f"manifest {version} is corrupt")
     if version not in self._manifests:
       raw = self.store.read(fmt.manifest_key(version))
       if raw is None:
         return None
-      m = fmt.Manifest.from_bytes(raw)
-      if m.version != version:
-        raise fmt.StreamError(f"manifest {version} says version {m.version}")
+      try:
+        m = fmt.Manifest.from_bytes(raw)
+        if m.version != version:
+          raise fmt.StreamError(f"manifest {version} says version {m.version}")
+      except fmt.StreamError:
+        self._bad.add(("manifest", version))
+        raise
       self._manifests[version] = m
     return self._manifests[version]
 
   def _chain(self, base: int, target: int) -> list[fmt.Manifest] | None:
-    """Manifests base+..target along `parent` (ascending), or None if there is a gap."""
+    """Manifests base+..target along `parent` (ascending), or None if there is a gap (a
+    missing or corrupt manifest, or deltas found unreadable during this poll)."""
     chain = []
     v = target
     try:
       while v != base:
         m = self._manifest(v)
-        if m is None or m.delta_tensors is None or m.parent < base:
+        if (m is None or m.delta_tensors is None or m.parent < base
+            or ("delta", v) in self._bad):
           return None
         chain.append(m)
         v = m.parent
@@ -236,7 +268,11 @@ class Subscriber:
     """Applies the deltas of `chain` in order, stopping at the first that fails."""
     for m in chain:
       try:
-        patches = self._fetch_and_decode(m.delta_tensors)
+        try:
+          patches = self._fetch_and_decode(m.delta_tensors)
+        except fmt.StreamError:
+          self._bad.add(("delta", m.version))  # the objects: no use trying them again
+          raise
         self._apply_delta(m, self._tensors, patches)
         self.version = m.version
         self.stats.versions_applied += 1
@@ -255,10 +291,16 @@ class Subscriber:
         raise fmt.StreamError(f"keyframe {m.keyframe_version} is missing")
       if chain_tried and not self._diverged and kf.version <= self.version:
         return  # this path needs the very deltas that just failed on verified weights
+      if ("keyframe", kf.version) in self._bad:
+        raise fmt.StreamError(f"keyframe {kf.version} is unreadable")
       chain = self._chain(kf.version, target)
       if chain is None:
         raise fmt.StreamError(f"no chain from keyframe {kf.version} to {target}")
-      tensors = self._load_keyframe(kf, self._fetch_and_decode(kf.tensors))
+      try:
+        tensors = self._load_keyframe(kf, self._fetch_and_decode(kf.tensors))
+      except fmt.StreamError:
+        self._bad.add(("keyframe", kf.version))
+        raise
     except fmt.StreamError as e:
       self.stats.error(f"keyframe for {target}: {e}")
       return
@@ -297,7 +339,7 @@ class Subscriber:
     for (path, s), raw in zip(shards, data):
       t = entries[path]
       itemsize = np.dtype(jnp.dtype(t.dtype)).itemsize
-      try:
+      try:  # the bytes matched their checksum, but the writer may still have been wrong
         patch = codecs.get(s.codec).decode(raw, math.prod(fmt.region_shape(s.region)),
                                            itemsize)
       except (ValueError, KeyError) as e:
@@ -320,6 +362,9 @@ class Subscriber:
       x = tensors[path]
       if tuple(x.shape) != t.shape or x.dtype != jnp.dtype(t.dtype):
         raise fmt.StreamError(f"{path}: {t.shape} {t.dtype} vs held {x.shape} {x.dtype}")
+      if x.size >= 2**31 - 1:
+        raise fmt.StreamError(f"{path}: deltas to tensors of 2**31 elements or more are "
+                              "not supported")
       kinds = {p.kind for _, p in items}
       if len(kinds) != 1 or kinds & {"set"} or any(p.dense for _, p in items):
         raise fmt.StreamError(f"{path}: a delta must decode to sparse xor/add patches")
@@ -357,7 +402,7 @@ class Subscriber:
     hosts = {}
     for path, t in m.tensors.items():
       host = np.empty(t.shape, jnp.dtype(t.dtype))
-      for s, patch in patches[path]:
+      for s, patch in patches.get(path, []):  # none for a tensor of no elements
         if patch.kind != "set" or not patch.dense:
           raise fmt.StreamError(f"{s.key}: a keyframe must decode to dense bits")
         bits = patch.values
