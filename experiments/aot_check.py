@@ -56,7 +56,6 @@ from rljax.engine.engine import DecodeEngine
 from rljax.engine.pages import pages_for
 from rljax.model import ModelConfig, abstract_params, active_params, count_params, param_shardings
 from rljax.model.attention import raw_dtype
-from rljax.model.params import layer_name
 from rljax.numerics import Numerics
 from rljax.rl import learner
 from rljax.rl.batch import TrainBatch
@@ -211,9 +210,10 @@ def check(config, *, num_slots: int, max_seq_len: int, name: str | None = None,
           microbatches: int = 1, decode_mesh: dict[str, int] | None = None, decode_rules: str = "decode",
           platform: str | None = None, compile_: bool = True) -> dict:
   """Lowers (and compiles) the train and decode steps of `config`; returns the report."""
-  cfg = ModelConfig.from_dict(config.model.to_dict())
   numerics = Numerics(config.numerics)
   platform = {"gpu": "cuda"}.get(platform, platform) or running_platform()
+  # backend choices for the platform lowered for, not the one this runs on
+  cfg = ModelConfig.from_dict(config.model.to_dict()).resolved(platform, numerics)
   mesh_shape = {a: int(config.mesh.to_dict().get(a, 1)) for a in sharding_lib.MESH_AXES}
   decode_shape = {a: int((decode_mesh or mesh_shape).get(a, 1)) for a in sharding_lib.MESH_AXES}
   train_sh = sharding_lib.Sharding(abstract_mesh(mesh_shape))
@@ -286,13 +286,9 @@ def check(config, *, num_slots: int, max_seq_len: int, name: str | None = None,
     totals["train_state"] = sum(totals[k] for k in ("params_f32", "adam_mu", "adam_nu", "counts"))
     totals["engine"] = totals["params_bf16_serving"] + totals["kv_pages"]
   arrays = {}
-  # layers of a kind shard alike: the first dense and the first MoE layer stand for all
-  shown = {layer_name(kind[0]) for kind in (cfg.dense_layers(), cfg.moe_layers()) if kind}
   for (path, master), serve in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
                                    jax.tree.leaves(serving)):
     key = path_name(path)
-    if key.startswith("layers/") and key.split("/")[1] not in shown:
-      continue
     arrays[key] = {"shape": list(master.shape), "train_spec": str(master.sharding.spec),
                     "f32_per_device": shard_bytes(master),
                     "serving_spec": str(serve.sharding.spec),

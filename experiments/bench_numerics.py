@@ -28,6 +28,7 @@ import numpy as np
 from configs import tiny_moe
 from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
 from rljax.model.packing import pack
+from rljax.model.params import cast, scale_matrices
 from rljax.numerics import Numerics
 
 _PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
@@ -40,7 +41,7 @@ _NO_RLJAX_FLAGS = "--xla_cpu_max_isa=AVX512 --xla_allow_excess_precision=true"
 
 def _params(cfg):
   p = init_params(cfg, jax.random.key(0), "float32")  # sharpen: x10 on matrices
-  return jax.tree.map(lambda x: (x * 10 if x.ndim > 1 else x).astype(cfg.param_dtype), p)
+  return cast(scale_matrices(p, 10.0), cfg.param_dtype)
 
 
 def _decode_vs_train(cfg, params, numerics, seqs):
@@ -119,7 +120,9 @@ def _flags_cost(rounds=3):
 
 
 def main(_):
-  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  # resolved for deterministic numerics: both modes measured on the same (reference) paths
+  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved(
+      jax.default_backend(), "deterministic")
   params = _params(cfg)
   if _CHILD.value:
     fn = _train_step(cfg, Numerics("fast"))

@@ -25,8 +25,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_moe.py", "expe
 
 def main(_):
   config = _CONFIG.value
-  cfg = ModelConfig.from_dict(config.model.to_dict())
   numerics = Numerics(config.numerics)
+  cfg = ModelConfig.from_dict(config.model.to_dict()).resolved(jax.default_backend(), numerics)
   logging.info("devices: %s", jax.devices())
   mesh_shape = {k: v for k, v in config.mesh.items() if v > 1} or None
   sharding = sharding_lib.Sharding(sharding_lib.make_mesh(mesh_shape, jax.devices()[:1]

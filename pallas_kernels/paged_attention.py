@@ -1,7 +1,7 @@
 """Decode paged attention: a Pallas kernel and the jnp reference it follows.
 
 One query token per sequence attends over its paged KV cache. The kernel walks the same
-fixed KV-block schedule as `rljax.model.attention.attend` (the path the CPU runs): block
+fixed KV-block schedule as `rljax.block_attention.attend` (the path the CPU runs): block
 j of row b holds absolute positions [j*P, (j+1)*P) and is one page, `page_table[b, j]`;
 blocks are visited in order j = 0, 1, ... with an online softmax in f32 (running max m,
 sum l, accumulator acc, rescaled by exp(m_old - m_new)), masked lanes scored -1e30 (the
@@ -43,8 +43,8 @@ import jax.experimental.pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from rljax.model.attention import NEG, attend, gather_blocks
 from rljax import numerics as numerics_lib
+from rljax.block_attention import NEG, attend, gather_blocks
 from rljax.numerics import Numerics
 
 ROW_TILE = 16  # Triton's minimum dot tile; the G query rows of a KV head are padded to it
@@ -140,7 +140,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               page_table: jax.Array, lengths: jax.Array, *, scale: float,
                               numerics: Numerics | str = "deterministic") -> jax.Array:
-  """The same computation through the model's own `attend` (pure jnp; the CPU path).
+  """The same computation through `attend`, the attention the model runs (pure jnp; the CPU path).
 
   Gathers every block of the page table (`gather_blocks`) and attends with q at index
   lengths - 1. Rows with length 0 are set to zeros (in fast mode `attend` would return

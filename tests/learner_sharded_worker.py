@@ -19,6 +19,7 @@ import optax  # noqa: E402
 from configs import tiny_moe  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.model import ModelConfig, forward, init_params  # noqa: E402
+from rljax.model.params import scale_matrices  # noqa: E402
 from rljax.model.packing import pack  # noqa: E402
 from rljax.numerics import Numerics  # noqa: E402
 from rljax.rl import learner  # noqa: E402
@@ -29,9 +30,9 @@ DET = Numerics("deterministic")
 
 
 def main():
-  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved("cpu", "deterministic")
   params = init_params(cfg, jax.random.key(0), "float32")
-  params = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, params)
+  params = scale_matrices(params, 10.0)
   rng = np.random.default_rng(0)
   seqs = [rng.integers(1, cfg.vocab_size, size=int(n)) for n in rng.integers(10, 30, size=16)]
   p = pack(seqs, 64, cfg.page_size, num_rows=8)
@@ -58,7 +59,7 @@ def main():
     step = learner.make_grpo_step(cfg, opt, numerics=DET, loss_cfg=LossConfig(), replay=False,
                                   sharding=sharding, state_sharding=state_sh)
     new, metrics = step(state, micro)
-    spec = None if sharding is None else str(new.params["layers"]["layer_001"]["moe"]["gate"]
+    spec = None if sharding is None else str(new.params["layers"]["moe"]["moe"]["gate"]
                                              .sharding.spec)
     return jax.tree.map(np.asarray, new.params), jax.tree.map(float, metrics), spec
 

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 from configs import tiny_moe  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.model import ModelConfig, forward, init_params, param_shardings  # noqa: E402
+from rljax.model.params import cast, scale_matrices  # noqa: E402
 from rljax.model import scoring  # noqa: E402
 from rljax.model.packing import pack  # noqa: E402
 from rljax.numerics import Numerics  # noqa: E402
@@ -68,9 +69,9 @@ def main():
   results = {}
   for dtype in ("bfloat16", "float32"):
     cfg = ModelConfig.from_dict({**tiny_moe.get_config().model.to_dict(), "dtype": dtype,
-                                 "param_dtype": dtype})
+                                 "param_dtype": dtype}).resolved("cpu", "deterministic")
     params = init_params(cfg, jax.random.key(0), "float32")
-    params = jax.tree.map(lambda x: (x * 10 if x.ndim > 1 else x).astype(dtype), params)
+    params = cast(scale_matrices(params, 10.0), dtype)
     for mode in ("deterministic", "fast"):
       numerics = Numerics(mode)
       ref_lp, ref_grads = run(cfg, params, numerics, None)

@@ -57,12 +57,13 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
   assert emb["f32_per_device"] == v * d * 4 // (model * fsdp)
   assert emb["serving_per_device"] == v * d * 2 // model
   # an expert weight [embed, expert, mlp]: split over all three axes (8 ways) in training
-  gate = arrays["layers/layer_001/moe/gate"]
-  assert gate["shape"] == [d, e, f]
-  assert gate["f32_per_device"] == d * e * f * 4 // (fsdp * expert * model)
-  assert gate["serving_per_device"] == d * e * f * 2 // (expert * model)
-  # a norm scale head_dim: replicated
-  assert arrays["layers/layer_000/attn/q_norm"]["f32_per_device"] == hd * 4
+  # (layers 1, 2: the MoE stack, its leading "layers" axis replicated)
+  gate = arrays["layers/moe/moe/gate"]
+  assert gate["shape"] == [2, d, e, f]
+  assert gate["f32_per_device"] == 2 * d * e * f * 4 // (fsdp * expert * model)
+  assert gate["serving_per_device"] == 2 * d * e * f * 2 // (expert * model)
+  # a norm scale head_dim: replicated (layer 0: the dense stack)
+  assert arrays["layers/dense/attn/q_norm"]["f32_per_device"] == hd * 4
   # KV pages: 1 + slots * blocks pages, k and v, bf16 bits, kv heads over `model`
   num_pages = 1 + 8 * math.ceil(64 / page)
   kv_total = layers * num_pages * page * kv * hd * 2 * 2
@@ -88,9 +89,9 @@ def test_full_qwen3_30b_a3b_lowers():
   assert out["params_total"] == 30_532_122_624
   assert out["mesh"] == {"data": 1, "fsdp": 8, "expert": 8, "model": 1}
   d, e, f, layers = 2048, 128, 768, 48
-  gate = out["arrays"]["layers/layer_000/moe/gate"]
-  assert gate["f32_per_device"] == d * e * f * 4 // 64
-  assert gate["serving_per_device"] == d * e * f * 2 // 8  # decode rules: experts only
+  gate = out["arrays"]["layers/moe/moe/gate"]
+  assert gate["f32_per_device"] == layers * d * e * f * 4 // 64
+  assert gate["serving_per_device"] == layers * d * e * f * 2 // 8  # decode rules: experts only
   num_pages = 1 + 64 * 4096 // 16
   assert out["per_device_bytes"]["kv_pages"] == layers * num_pages * 16 * 4 * 128 * 2 * 2
   per = out["per_device_bytes"]

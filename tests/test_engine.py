@@ -239,7 +239,9 @@ def _hf_initialised_tiny(tiny_cfg, tmp_path):
         prm.normal_(0.0, 0.2)
   model.save_pretrained(tmp_path)
   return hf_import.load_hf_checkpoint(str(tmp_path), dtype="bfloat16",
-                                      page_size=tiny_cfg.page_size)
+                                      page_size=tiny_cfg.page_size,
+                                      decode_attention=tiny_cfg.decode_attention,
+                                      engine_experts=tiny_cfg.engine_experts)
 
 
 def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):

@@ -114,7 +114,8 @@ def _write_per_expert_by_hand(model, out_dir, config_src):
 @functools.lru_cache(maxsize=None)
 def _jitted_forward(cfg, numerics):
   def run(params, tokens, positions):
-    out = forward(params, tokens, positions, cfg=cfg, numerics=numerics, segment_ids=None)
+    out = forward(params, tokens, positions, cfg=cfg.resolved(jax.default_backend(), numerics),
+                  numerics=numerics, segment_ids=None)
     return out.logits, out.routing
   return jax.jit(run)
 
@@ -157,11 +158,12 @@ def test_layouts_give_identical_params(reference):
   # and the mapping itself, spot-checked against the torch tensors
   sd, p = reference["state_dict"], trees[0]
   f = HF_CONFIG["moe_intermediate_size"]
-  np.testing.assert_array_equal(p["layers"]["layer_001"]["moe"]["gate"][:, 3, :],
+  # layers 1, 2 are entries 0, 1 of the MoE stack; layer 0 entry 0 of the dense stack
+  np.testing.assert_array_equal(p["layers"]["moe"]["moe"]["gate"][0, :, 3, :],
                                 sd["model.layers.1.mlp.experts.gate_up_proj"][3, :f].T)
-  np.testing.assert_array_equal(p["layers"]["layer_002"]["moe"]["down"][5],
+  np.testing.assert_array_equal(p["layers"]["moe"]["moe"]["down"][1, 5],
                                 sd["model.layers.2.mlp.experts.down_proj"][5].T)
-  np.testing.assert_array_equal(p["layers"]["layer_000"]["mlp"]["down"],
+  np.testing.assert_array_equal(p["layers"]["dense"]["mlp"]["down"][0],
                                 sd["model.layers.0.mlp.down_proj.weight"].T)
   np.testing.assert_array_equal(p["lm_head"]["kernel"], sd["lm_head.weight"].T)
 
@@ -207,14 +209,14 @@ def test_bf16_checkpoint(reference, tmp_path):
   torch_save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
   cfg, params = load_hf_checkpoint(str(tmp_path / "bf16"), dtype="bfloat16")
   assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"
-  q = params["layers"]["layer_001"]["attn"]["q"]
+  q = params["layers"]["moe"]["attn"]["q"][0]  # layer 1
   assert q.dtype == jax.numpy.bfloat16
   want = tensors["model.layers.1.self_attn.q_proj.weight"].float().numpy().T
   np.testing.assert_array_equal(np.asarray(q, np.float32), want)
   _, params32 = load_hf_checkpoint(str(tmp_path / "bf16"), dtype="float32")
   np.testing.assert_array_equal(
-      np.asarray(params32["layers"]["layer_002"]["moe"]["up"]),
-      np.asarray(params["layers"]["layer_002"]["moe"]["up"], np.float32))
+      np.asarray(params32["layers"]["moe"]["moe"]["up"]),
+      np.asarray(params["layers"]["moe"]["moe"]["up"], np.float32))
 
 
 BASE_JSON = dict(HF_CONFIG, num_local_experts=8)

@@ -115,9 +115,8 @@ def test_router_replay_uses_recorded_experts_and_router_still_learns(tiny_cfg, t
   batch = _batch(tiny_cfg, trajs, adv)
   # a different router: the trainer would route differently on its own
   perturbed = jax.tree.map(lambda x: x, tiny_params)
-  for name, layer in perturbed["layers"].items():
-    if "moe" in layer:
-      layer["moe"] = dict(layer["moe"], router=jnp.roll(layer["moe"]["router"], 1, axis=1))
+  moe = perturbed["layers"]["moe"]
+  moe["moe"] = dict(moe["moe"], router=jnp.roll(moe["moe"]["router"], 1, axis=2))
   from rljax.model import forward  # pylint: disable=g-import-not-at-top
   own = forward(perturbed, batch.tokens, batch.positions, cfg=tiny_cfg, numerics=DET,
                 segment_ids=batch.segment_ids)
@@ -129,11 +128,10 @@ def test_router_replay_uses_recorded_experts_and_router_still_learns(tiny_cfg, t
   opt = learner.make_optimizer(1e-3)
   step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig(), replay=True)
   state = learner.init_state(perturbed, opt)
-  routers = {n: np.asarray(l["moe"]["router"], np.float32)
-             for n, l in state.params["layers"].items() if "moe" in l}
+  routers = np.asarray(state.params["layers"]["moe"]["moe"]["router"], np.float32)
   new, _ = step(state, split_microbatches(batch, 1))
-  for n, r in routers.items():
-    assert np.any(np.asarray(new.params["layers"][n]["moe"]["router"]) != r)  # got a gradient
+  for j, r in enumerate(routers):  # every MoE layer's router got a gradient
+    assert np.any(np.asarray(new.params["layers"]["moe"]["moe"]["router"][j]) != r)
 
 
 def test_sft_step_lowers_nll(tiny_cfg, tiny_params, rollouts):

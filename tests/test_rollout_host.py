@@ -60,7 +60,8 @@ def small_config():
 
 
 def params_of(config, seed: int):
-  cfg = ModelConfig.from_dict(config.model.to_dict())
+  cfg = ModelConfig.from_dict(config.model.to_dict()).resolved(jax.default_backend(),
+                                                               config.numerics)
   params = init_params(cfg, jax.random.key(seed), "float32")
   return cfg, jax.tree.map(lambda x: np.asarray(x.astype("bfloat16")), params)
 

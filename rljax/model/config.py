@@ -33,12 +33,22 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
   page_size: int = 16  # the KV block of attention: keys are reduced in blocks of this size
-  # one-token decode steps over paged KV: "auto" = the Pallas kernel on GPU in fast mode,
-  # the jnp reference otherwise; "reference"; "pallas"; "pallas_interpret" (CPU tests)
+  # Backend choices; "auto" is turned into a concrete choice once, by `resolved(backend,
+  # numerics)`, before any `forward` (which refuses "auto").
+  # One-token decode steps over paged KV: "reference" (jnp), "pallas", "pallas_interpret"
+  # (CPU tests); "auto" = "pallas" on GPU in fast mode, "reference" otherwise.
   decode_attention: str = "auto"
+  # Fast-mode experts when forward is given a KV cache (the engine's prefill and decode):
+  # "dense" (every expert for every token, no sort/scatter) or "ragged" (sorted
+  # `ragged_dot`); "auto" = "dense" on CPU (XLA:CPU expands `ragged_dot` densely anyway),
+  # "ragged" elsewhere. Training and deterministic mode ignore it.
+  engine_experts: str = "auto"
   dtype: str = "bfloat16"  # activations and matmul operands
   param_dtype: str = "bfloat16"
-  remat: bool = False
+  remat: bool = False  # rematerialise each layer in the backward pass
+  # one lax.scan per run of same-kind layers (`layer_runs`); False unrolls the layers
+  # (the reference the scan is tested bitwise against)
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -49,6 +59,8 @@ class ModelConfig:
       raise ValueError(f"mlp_only_layers {self.mlp_only_layers} out of range")
     if self.decode_attention not in ("auto", "reference", "pallas", "pallas_interpret"):
       raise ValueError(f"unknown decode_attention {self.decode_attention!r}")
+    if self.engine_experts not in ("auto", "dense", "ragged"):
+      raise ValueError(f"unknown engine_experts {self.engine_experts!r}")
     if self.dense_layers() and self.intermediate_size <= 0:
       raise ValueError("dense layers need intermediate_size > 0")
 
@@ -63,6 +75,34 @@ class ModelConfig:
       d["mlp_only_layers"] = tuple(int(i) for i in d["mlp_only_layers"])
     return cls(**d)
 
+  def resolved(self, backend: str, numerics: str | Any) -> "ModelConfig":
+    """This config with every "auto" backend choice made for `backend` ("cpu", "gpu" (or
+    "cuda", "rocm"), "tpu": `jax.default_backend()`, or the platform an AOT check lowers
+    for) and `numerics` (a mode name or a `Numerics`). Concrete choices are kept."""
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
+    if platform not in ("cpu", "gpu", "tpu"):
+      raise ValueError(f"unknown backend {backend!r}; expected cpu, gpu (cuda, rocm) or tpu")
+    mode = getattr(numerics, "mode", numerics)
+    if mode not in ("fast", "deterministic"):
+      raise ValueError(f"unknown numerics mode {mode!r}")
+    choices = {}
+    if self.decode_attention == "auto":
+      fast_gpu = platform == "gpu" and mode == "fast"
+      # deterministic mode keeps the reference: the kernel's exp and reductions are not
+      # the training forward's
+      choices["decode_attention"] = "pallas" if fast_gpu else "reference"
+    if self.engine_experts == "auto":
+      choices["engine_experts"] = "dense" if platform == "cpu" else "ragged"
+    return dataclasses.replace(self, **choices)
+
+  def check_resolved(self) -> None:
+    """Raises unless every backend choice is concrete (see `resolved`)."""
+    auto = [f for f in ("decode_attention", "engine_experts") if getattr(self, f) == "auto"]
+    if auto:
+      raise ValueError(f"ModelConfig.{'/'.join(auto)} is 'auto': resolve the config once "
+                       "with cfg.resolved(jax.default_backend(), numerics) before calling "
+                       "the model")
+
   def is_moe_layer(self, i: int) -> bool:
     return (i not in self.mlp_only_layers and self.num_experts > 0
             and (i + 1) % self.decoder_sparse_step == 0)
@@ -72,6 +112,29 @@ class ModelConfig:
 
   def dense_layers(self) -> tuple[int, ...]:
     return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i))
+
+  def layer_stacks(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(kind, layers) of each param stack, "dense" then "moe", kinds present only."""
+    return tuple((kind, layers) for kind, layers in
+                 (("dense", self.dense_layers()), ("moe", self.moe_layers())) if layers)
+
+  def layer_kind(self, i: int) -> tuple[str, int]:
+    """("dense" | "moe", index of layer i in its kind's stack)."""
+    kind = "moe" if self.is_moe_layer(i) else "dense"
+    return kind, dict(self.layer_stacks())[kind].index(i)
+
+  def layer_runs(self) -> tuple[tuple[str, int, int, int], ...]:
+    """Maximal runs of consecutive layers of one kind, in layer order: (kind, first
+    layer, first stack index, length). `forward` runs one `lax.scan` per run, so a uniform
+    model is one scan whatever its depth."""
+    runs = []
+    for i in range(self.num_hidden_layers):
+      kind, j = self.layer_kind(i)
+      if runs and runs[-1][0] == kind:
+        runs[-1][3] += 1
+      else:
+        runs.append([kind, i, j, 1])
+    return tuple(tuple(r) for r in runs)
 
   @property
   def compute_dtype(self):

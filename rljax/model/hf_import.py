@@ -41,7 +41,7 @@ import numpy as np
 from safetensors import safe_open
 
 from rljax.model.config import ModelConfig
-from rljax.model.params import ParamSpec, layer_name, param_specs
+from rljax.model.params import ParamSpec, layer_name, param_specs, stack_layers
 
 # Defaults of transformers' Qwen3MoeConfig for keys a config.json may leave out.
 _HF_DEFAULTS = dict(intermediate_size=6144, mlp_only_layers=(), decoder_sparse_step=1,
@@ -258,11 +258,23 @@ def _recipes(cfg: ModelConfig, keys: set[str]) -> dict[str, Any]:
                       "up": _linear(f"{pre}.mlp.up_proj.weight", ff, d),
                       "down": _linear(f"{pre}.mlp.down_proj.weight", d, ff)}
     layers[layer_name(i)] = layer
-  tree["layers"] = layers
+  tree["layers"] = stack_layers(cfg, layers, _stack_recipes)
   tree["final_norm"] = {"scale": _vector("model.norm.weight", d)}
   if not cfg.tie_word_embeddings:
     tree["lm_head"] = {"kernel": _linear("lm_head.weight", v, d)}
   return tree
+
+
+def _stack_recipes(entries: list[_Recipe]) -> _Recipe:
+  """One recipe for a layer stack: every entry's tensors, each built, stacked in order."""
+  counts = [len(r.keys) for r in entries]
+  starts = np.cumsum([0, *counts])
+
+  def build(ts):
+    return np.stack([r.build(ts[a:b]) for r, a, b in zip(entries, starts[:-1], starts[1:])])
+
+  return _Recipe([k for r in entries for k in r.keys], [s for r in entries for s in r.shapes],
+                 build)
 
 
 def _is_recipe(x):

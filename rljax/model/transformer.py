@@ -11,10 +11,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import paged_attention as decode_kernel
+from rljax import block_attention
 from rljax import sharding as sharding_lib
 from rljax.model import attention, moe
 from rljax.model.config import ModelConfig
-from rljax.model.params import layer_name
 from rljax.numerics import FAST, Numerics, round_to
 
 ACT = ("batch", "length", None)  # activations: batch-sharded, features replicated
@@ -95,30 +96,21 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     q_index = ctx["positions"]
     new_pools = (k_pool, v_pool)
 
-  if layer_kv is not None and t == 1 and _use_decode_kernel(cfg, numerics):
-    from pallas_kernels import paged_attention as kernel  # pylint: disable=g-import-not-at-top
+  if layer_kv is not None and t == 1 and cfg.decode_attention != "reference":
     lengths = jnp.maximum(ctx["positions"][:, 0] + 1, 0)
-    k_layer, v_layer = (attention.as_values(pool[layer], dt) for pool in new_pools)
-    out = kernel.paged_attention(q[:, 0], k_layer, v_layer, table, lengths,
+    k_layer, v_layer = (block_attention.as_values(pool[layer], dt) for pool in new_pools)
+    out = decode_kernel.paged_attention(q[:, 0], k_layer, v_layer, table, lengths,
                                  scale=hd ** -0.5,
                                  interpret=cfg.decode_attention == "pallas_interpret")[:, None]
   elif layer_kv is not None:
     out = attention.attend_paged(q, *new_pools, table, q_index, layer=layer, dtype=dt,
                                  numerics=numerics, scale=hd ** -0.5)
   else:
-    out = attention.attend(q, keys, values, q_index, page_size=cfg.page_size,
+    out = block_attention.attend(q, keys, values, q_index, page_size=cfg.page_size,
                            numerics=numerics, scale=hd ** -0.5, q_segments=segs,
                            kv_segments=kv_segs)
   out = numerics.matmul(out.reshape(b, t, h * hd), _weight(sharding, p["o"], ("heads", "embed")))
   return out.astype(dt), new_pools
-
-
-def _use_decode_kernel(cfg: ModelConfig, numerics: Numerics) -> bool:
-  """The Pallas paged-attention kernel for decode steps. Deterministic mode keeps the
-  reference: the kernel's exp and reductions are not the training forward's."""
-  if cfg.decode_attention == "auto":
-    return jax.default_backend() == "gpu" and not numerics.deterministic
-  return cfg.decode_attention in ("pallas", "pallas_interpret")
 
 
 def _mlp_block(p, x, ctx):
@@ -144,7 +136,7 @@ def _layer(p, x, cos, sin, layer_kv, replay, ctx):
                            norm_topk_prob=cfg.norm_topk_prob, numerics=ctx["numerics"],
                            sharding=sharding,
                            replay=None if replay is None else replay.reshape(b * t, -1),
-                           dense_experts=layer_kv is not None and jax.default_backend() == "cpu")
+                           dense_experts=layer_kv is not None and cfg.engine_experts == "dense")
     y, ids = y.reshape(b, t, d), ids.reshape(b, t, -1)
   else:
     y = _mlp_block(p["mlp"], h, ctx)
@@ -168,10 +160,11 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   pages and the updated cache is returned.
 
   routing: [B, T, num_moe_layers, k] expert ids to replay instead of the router's top-k.
+  cfg must be resolved (`cfg.resolved(backend, numerics)`: no "auto" backend choice).
   targets: [B, T] token ids; when given, returns their log-probs under logits / temperature
   (the engine's sampling temperature) instead of logits.
   """
-  b, t = tokens.shape
+  cfg.check_resolved()
   dt = cfg.compute_dtype
   ctx = {"cfg": cfg, "numerics": numerics, "sharding": sharding, "positions": positions,
          "segment_ids": segment_ids}
@@ -181,20 +174,10 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   pos = jnp.clip(positions, 0, cfg.max_position_embeddings - 1)
   cos, sin = jnp.asarray(cos_table)[pos], jnp.asarray(sin_table)[pos]
 
-  moe_layers = cfg.moe_layers()
-  routes = []
   pools = None if kv is None else (kv.k, kv.v)
-  for i in range(cfg.num_hidden_layers):
-    replay = None
-    if routing is not None and i in moe_layers:
-      replay = routing[:, :, moe_layers.index(i)]
-    layer_kv = None if kv is None else (*pools, kv.page_table, i)
-    x, ids, new_pools = _run_layer(params["layers"][layer_name(i)], x, cos, sin,
-                                   layer_kv, replay, ctx)
-    if ids is not None:
-      routes.append(ids)
-    if new_pools is not None:
-      pools = new_pools
+  layers_fn = _scanned_layers if cfg.scan_layers else _unrolled_layers
+  x, pools, routes = layers_fn(params["layers"], x, cos, sin, pools,
+                               None if kv is None else kv.page_table, routing, ctx)
 
   x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, numerics)
   head = (params["embed"]["embedding"].T if cfg.tie_word_embeddings
@@ -206,8 +189,54 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
     logprobs = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     logits = None
   new_kv = None if kv is None else attention.PagedKV(*pools, kv.page_table)
-  return ForwardOutput(logits=logits, logprobs=logprobs,
-                       routing=jnp.stack(routes, axis=2) if routes else None, kv=new_kv)
+  return ForwardOutput(logits=logits, logprobs=logprobs, routing=routes, kv=new_kv)
+
+
+def _scanned_layers(stacks, x, cos, sin, pools, page_table, routing, ctx):
+  """The layers as one `lax.scan` per run of same-kind layers (`cfg.layer_runs()`), in
+  layer order. The carry is (x, pools): the engine's KV pools [L, ...] are written in
+  place at the traced layer index. Returns (x, pools, routing [B, T, num_moe_layers, k]
+  or None)."""
+  routes = []
+  for kind, first, start, n in ctx["cfg"].layer_runs():
+    stack = stacks[kind]
+    if jax.tree.leaves(stack)[0].shape[0] != n:  # a run of a mixed model: its slice
+      stack = jax.tree.map(lambda w: w[start:start + n], stack)
+    replay = None
+    if routing is not None and kind == "moe":
+      replay = jnp.moveaxis(routing[:, :, start:start + n], 2, 0)  # [n, B, T, k]
+
+    def body(carry, xs):
+      x, pools = carry
+      p, layer, replay = xs
+      layer_kv = None if pools is None else (*pools, page_table, layer)
+      x, ids, new_pools = _run_layer(p, x, cos, sin, layer_kv, replay, ctx)
+      return (x, pools if new_pools is None else new_pools), ids
+
+    layers = jnp.arange(first, first + n, dtype=jnp.int32)
+    (x, pools), ids = lax.scan(body, (x, pools), (stack, layers, replay))
+    if ids is not None:
+      routes.append(ids)  # [n, B, T, k]
+  routing_out = jnp.moveaxis(jnp.concatenate(routes), 0, 2) if routes else None
+  return x, pools, routing_out
+
+
+def _unrolled_layers(stacks, x, cos, sin, pools, page_table, routing, ctx):
+  """The same layers as `_scanned_layers`, one Python iteration each (static layer
+  index): the reference the scan is tested against, bitwise."""
+  cfg = ctx["cfg"]
+  routes = []
+  for i in range(cfg.num_hidden_layers):
+    kind, j = cfg.layer_kind(i)
+    p = jax.tree.map(lambda w, j=j: w[j], stacks[kind])
+    replay = routing[:, :, j] if routing is not None and kind == "moe" else None
+    layer_kv = None if pools is None else (*pools, page_table, i)
+    x, ids, new_pools = _run_layer(p, x, cos, sin, layer_kv, replay, ctx)
+    if ids is not None:
+      routes.append(ids)
+    if new_pools is not None:
+      pools = new_pools
+  return x, pools, jnp.stack(routes, axis=2) if routes else None
 
 
 def _run_layer(p, x, cos, sin, layer_kv, replay, ctx):

@@ -1,0 +1,144 @@
+"""Scanned layers (one `lax.scan` per run of same-kind layers) are the unrolled layer loop:
+the same bits in deterministic mode, for the training forward (with and without router
+replay) and for paged prefill + decode steps, on a mixed dense/MoE config (tiny: layer 0
+dense, 1-2 MoE) and on a uniform MoE one; plus the stacked param layout."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax.model import ModelConfig, PagedKV, forward, init_params
+from rljax.model.packing import pack
+from rljax.model.params import cast, layer_params, param_specs, scale_matrices
+from rljax.numerics import Numerics
+
+from conftest import TINY
+
+DET = Numerics("deterministic")
+
+
+def _configs(tiny_cfg):
+  mixed = tiny_cfg  # runs: dense [0], moe [1, 2]
+  uniform = dataclasses.replace(tiny_cfg, mlp_only_layers=(), num_hidden_layers=3)
+  # dense, moe, dense, moe: a run per layer, and stack slices in the middle of each stack
+  alternating = dataclasses.replace(tiny_cfg, mlp_only_layers=(), decoder_sparse_step=2,
+                                    num_hidden_layers=4)
+  return {"mixed": mixed, "uniform": uniform, "alternating": alternating}
+
+
+def _params(cfg):
+  # large weights: sharp routing and attention, so a one-ulp difference would show
+  return cast(scale_matrices(init_params(cfg, jax.random.key(1), "float32"), 10.0), "bfloat16")
+
+
+def _both(cfg, fn):
+  """fn(cfg) with scanned layers and with the unrolled loop; checks the scan is used."""
+  return fn(dataclasses.replace(cfg, scan_layers=True)), fn(
+      dataclasses.replace(cfg, scan_layers=False))
+
+
+@pytest.mark.parametrize("name", ["mixed", "uniform", "alternating"])
+def test_scanned_training_forward_equals_unrolled(tiny_cfg, name):
+  cfg = _configs(tiny_cfg)[name]
+  params = _params(cfg)
+  rng = np.random.default_rng(0)
+  seqs = [rng.integers(1, cfg.vocab_size, size=n).astype(np.int32) for n in (37, 20, 9, 30)]
+  p = pack(seqs, 64, cfg.page_size)
+  targets = np.roll(p.tokens, -1, axis=1)
+
+  def run(c, routing=None):
+    return jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=c, numerics=DET,
+                                       segment_ids=p.segment_ids, targets=targets,
+                                       routing=routing))(params)
+
+  scanned, unrolled = _both(cfg, run)
+  assert scanned.routing.shape == p.tokens.shape + (len(cfg.moe_layers()),
+                                                    cfg.num_experts_per_tok)
+  chex.assert_trees_all_equal(scanned.logprobs, unrolled.logprobs)
+  chex.assert_trees_all_equal(scanned.routing, unrolled.routing)
+  # replaying other routing (rolled over layers and experts) goes to the same layers
+  other = (jnp.roll(scanned.routing, 1, axis=2) + 1) % cfg.num_experts
+  replay_scanned, replay_unrolled = _both(cfg, lambda c: run(c, other))
+  chex.assert_trees_all_equal(replay_scanned.routing, other)
+  chex.assert_trees_all_equal(replay_scanned.logprobs, replay_unrolled.logprobs)
+  assert not np.array_equal(replay_scanned.logprobs, scanned.logprobs)
+
+
+@pytest.mark.parametrize("name", ["mixed", "uniform"])
+def test_scanned_paged_prefill_and_decode_equal_unrolled(tiny_cfg, name):
+  cfg = _configs(tiny_cfg)[name]
+  params = _params(cfg)
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(1, cfg.vocab_size, size=(2, 22)).astype(np.int32)
+  tables = jnp.asarray([[5, 2], [1, 7]], jnp.int32)
+  shape = (cfg.num_hidden_layers, 8, cfg.page_size, cfg.num_key_value_heads, cfg.head_dim)
+  raw = jnp.uint16  # the engine keeps its pools as raw bits
+
+  def run(c):
+    kv = PagedKV(jnp.zeros(shape, raw), jnp.zeros(shape, raw), tables)
+    step = jax.jit(lambda prm, t, pos, kv: forward(prm, t, pos, cfg=c, numerics=DET, kv=kv,
+                                                   targets=jnp.roll(t, -1, axis=1)))
+    outs = []
+    for lo, hi in [(0, 19)] + [(i, i + 1) for i in range(19, 22)]:  # prefill, 3 decode steps
+      pos = np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (2, hi - lo))
+      res = step(params, tokens[:, lo:hi], pos, kv)
+      kv = res.kv
+      outs.append((res.logprobs, res.routing))
+    return outs, kv
+
+  (scanned, kv_s), (unrolled, kv_u) = _both(cfg, run)
+  chex.assert_trees_all_equal(scanned, unrolled)
+  chex.assert_trees_all_equal(kv_s, kv_u)  # every layer's pages written alike
+  assert np.any(np.asarray(kv_s.k[-1]) != 0)
+
+
+def test_stacked_layout(tiny_cfg):
+  specs = param_specs(tiny_cfg)
+  assert set(specs["layers"]) == {"dense", "moe"}
+  gate = specs["layers"]["moe"]["moe"]["gate"]
+  assert gate.shape[0] == 2 and gate.axes[0] == "layers" and gate.stack_layers == (1, 2)
+  assert specs["layers"]["dense"]["mlp"]["down"].stack_layers == (0,)
+  params = init_params(tiny_cfg, jax.random.key(0))
+  np.testing.assert_array_equal(layer_params(tiny_cfg, params, 2)["moe"]["router"],
+                                params["layers"]["moe"]["moe"]["router"][1])
+  assert tiny_cfg.layer_runs() == (("dense", 0, 0, 1), ("moe", 1, 0, 2))
+  uniform = dataclasses.replace(tiny_cfg, mlp_only_layers=(), num_hidden_layers=48)
+  assert uniform.layer_runs() == (("moe", 0, 0, 48),)
+
+
+def test_uniform_model_lowers_to_one_scan_whatever_its_depth(tiny_cfg):
+  # the lowered program does not grow with depth: one while loop for all the layers
+  # (depths of one digit each, so the shapes in the text have the same length)
+  def text(n):
+    cfg = dataclasses.replace(tiny_cfg, mlp_only_layers=(), num_hidden_layers=n)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    return jax.jit(lambda p, t: forward(p, t, t, cfg=cfg, numerics=DET).logits).lower(
+        params, tokens).as_text()
+
+  assert len(text(3)) == len(text(9))
+
+
+def test_forward_refuses_an_unresolved_config(tiny_cfg):
+  raw = dataclasses.replace(tiny_cfg, decode_attention="auto")
+  params = init_params(tiny_cfg, jax.random.key(0))
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  with pytest.raises(ValueError, match="resolved"):
+    forward(params, tokens, tokens, cfg=raw)
+
+
+@pytest.mark.parametrize("backend,numerics,attention,experts", [
+    ("cpu", "fast", "reference", "dense"), ("cpu", "deterministic", "reference", "dense"),
+    ("gpu", "fast", "pallas", "ragged"), ("cuda", "deterministic", "reference", "ragged"),
+    ("tpu", "fast", "reference", "ragged")])
+def test_resolved_makes_todays_choices(backend, numerics, attention, experts):
+  cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
+  assert (cfg.decode_attention, cfg.engine_experts) == (attention, experts)
+  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", engine_experts="ragged")
+  assert kept.resolved(backend, numerics) == kept
+  with pytest.raises(ValueError, match="backend"):
+    cfg.resolved("metal", numerics)
