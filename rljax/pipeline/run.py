@@ -154,7 +154,7 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
     numerics = Numerics(config.numerics)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.model / config.numerics: {e}") from None
-  cfg = cfg.resolved(jax.default_backend(), numerics.mode) if hasattr(cfg, "resolved") else cfg
+  cfg = cfg.resolved(jax.default_backend(), numerics.mode)  # every "auto" choice, once
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   env = None
   if "env" in needs:
