@@ -8,9 +8,9 @@ step lowered (and, given the devices, compiled) on abstract inputs, with per-dev
 Nothing of the model's size is allocated: params, optimizer state, batch and KV pages are
 `jax.ShapeDtypeStruct`s carrying `NamedSharding`s (params from `jax.eval_shape`), and the
 functions lowered are the real ones: `learner.make_grpo_step(...).jitted` with its state
-shardings (as `pipeline.sync.grpo_learner` wires it) and `DecodeEngine._decode` (the jitted
-`steps_per_call`-step decode loop; the engine is built with a 2-page pool, and the pools
-passed here have the real page count).
+shardings (as `pipeline.sync.grpo_learner` wires it) and the engine's decode loop
+(`EnginePrograms(...).decode`, the jitted `steps_per_call`-step program `DecodeEngine` runs,
+on the arguments `EnginePrograms.decode_args` describes, with explicit shardings).
 
 What works in jax 0.10.2 (measured): the mesh is a `jax.sharding.AbstractMesh` of the
 config's shape, so any mesh size lowers on a 1-CPU machine, for any platform
@@ -52,10 +52,9 @@ import numpy as np
 import optax
 
 from rljax import sharding as sharding_lib
-from rljax.engine.engine import DecodeEngine
+from rljax.engine.programs import EnginePrograms
 from rljax.engine.pages import pages_for
-from rljax.model import ModelConfig, abstract_params, active_params, count_params, param_shardings
-from rljax.model.attention import raw_dtype
+from rljax.model import ModelConfig, abstract_params, active_params, count_params
 from rljax.numerics import Numerics
 from rljax.rl import learner
 from rljax.rl.batch import TrainBatch
@@ -82,7 +81,6 @@ _COMPILE = flags.DEFINE_bool("compile", True, "compile too, where the devices al
 _HOST_DEVICES = flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices "
                                      "(>= mesh size, for compiling; 0 = leave as is)")
 
-KV_AXES = ("layers", "pages", "page_slot", "kv_heads", "head_dim")
 GIB = 2.0 ** 30
 
 
@@ -249,28 +247,16 @@ def check(config, *, num_slots: int, max_seq_len: int, name: str | None = None,
   train.update(rows_per_microbatch=rows, row_len=row_len, microbatches=microbatches,
                microbatch_tokens=rows * row_len, router_replay=replay)
 
-  # ---- engine: serving params, KV pages, the jitted decode loop ------------------------
-  serving = with_shardings(abstract_params(cfg), param_shardings(cfg, decode_sh))
+  # ---- engine: the decode loop the engine runs, on abstract params and KV pages ----------
   num_pages = 1 + num_slots * pages_for(max_seq_len, cfg.page_size)
-  pool_shape = (cfg.num_hidden_layers, num_pages, cfg.page_size, cfg.num_key_value_heads,
-                cfg.head_dim)
-  pool = jax.ShapeDtypeStruct(pool_shape, raw_dtype(cfg.compute_dtype),
-                              sharding=decode_sh.named(KV_AXES))
-  engine = DecodeEngine(cfg, None, numerics=numerics, num_slots=num_slots,
-                        max_seq_len=max_seq_len, num_pages=2, sharding=decode_sh,
-                        steps_per_call=steps_per_call)
-  rep = NamedSharding(decode_sh.mesh, P())
-
-  def slots(dtype, *extra):
-    return jax.ShapeDtypeStruct((num_slots, *extra), jnp.dtype(dtype), sharding=rep)
-
-  i32 = jnp.int32
-  decode_args = (serving, (pool, pool), slots(i32), slots(i32), slots(i32),
-                 slots(i32, engine.max_blocks), tuple(slots(i32) for _ in range(4)),
-                 slots(jnp.float32), slots(i32), slots(jnp.float32),
-                 slots(i32, engine.max_stop_tokens + 1))
-  decode, _ = lower_and_compile(engine._decode, decode_args,  # pylint: disable=protected-access
-                                platform=platform, mesh_size=decode_size, compile_=compile_)
+  programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
+                            max_blocks=pages_for(max_seq_len, cfg.page_size),
+                            steps_per_call=steps_per_call, sharding=decode_sh)
+  decode_args = programs.decode_args(num_pages)
+  serving, (pool, _) = decode_args[0], decode_args[1]
+  pool_shape = pool.shape
+  decode, _ = lower_and_compile(programs.decode, decode_args, platform=platform,
+                                mesh_size=decode_size, compile_=compile_)
   decode.update(num_slots=num_slots, max_seq_len=max_seq_len, steps_per_call=steps_per_call)
 
   # ---- bytes ----------------------------------------------------------------------------

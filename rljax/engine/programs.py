@@ -1,0 +1,206 @@
+"""The engine's device programs: pure functions of (params, KV pools, per-slot arrays).
+
+The scheduler (`rljax.engine.scheduler`) decides what runs; these functions are what runs.
+Each takes the params, the page pools `(k, v)` (each [layers, num_pages, page_size,
+kv_heads, head_dim], raw bits of the compute dtype, see `attention.write_pages`) and plain
+arrays, plus static settings passed as keywords. `EnginePrograms` binds the settings, jits
+the functions (pools donated), counts traces and gives the abstract arguments of the
+decode loop, so `experiments/aot_check.py` lowers exactly the program the engine runs.
+
+Shapes: S = num_slots (decode rows), B = prefill rows (a power of two <= S), W = prefill
+width (a multiple of page_size), N = steps_per_call, M = MoE layers, K = experts per token,
+P = max_blocks (page-table width), X = max_stop_tokens + 1, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rljax import sharding as sharding_lib
+from rljax.engine import sampling
+from rljax.model import ModelConfig, PagedKV, abstract_params, forward, param_shardings
+from rljax.model.attention import raw_dtype
+from rljax.numerics import Numerics
+
+KV_AXES = ("layers", "pages", "page_slot", "kv_heads", "head_dim")
+
+Pools = tuple[jax.Array, jax.Array]
+
+
+def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids, temperature,
+                top_k, top_p, stop_ids, *, cfg: ModelConfig, numerics: Numerics,
+                steps_per_call: int, sharding: sharding_lib.Sharding | None = None):
+  """Up to `steps_per_call` one-token decode steps in a `while_loop`.
+
+  tokens [S] (each slot's last token), positions [S] (its position; -1 = empty slot),
+  budgets [S] (steps slot i may run), table [S, P], key_ids = (seed, request_id,
+  sample_index, first_pos) each [S] (first_pos: the position of the first token sampled),
+  temperature / top_p [S] f32, top_k [S], stop_ids [S, X] (-1 = unused).
+  Slot i runs budgets[i] steps or stops after sampling one of its stop ids; sampled tokens
+  are fed back on device. Each step is exactly the one-token step (same forward, same
+  sampling keys), so tokens and log-probs do not depend on the chunking.
+  Returns (tokens [N, S], log-probs [N, S] f32, routing [N, S, M, K] int32, steps run [],
+  pools); rows past a slot's last step hold junk.
+  """
+  seed, request_id, sample_index, first_pos = key_ids
+  s, chunk = tokens.shape[0], steps_per_call
+  n_moe, k = len(cfg.moe_layers()), max(cfg.num_experts_per_tok, 1)
+  outputs = (jnp.zeros((chunk, s), jnp.int32), jnp.zeros((chunk, s), jnp.float32),
+             jnp.zeros((chunk, s, n_moe, k), jnp.int32))
+
+  def live(j, done):
+    return (j < budgets) & ~done
+
+  def cond(carry):
+    j, _, _, done, _ = carry
+    return (j < chunk) & jnp.any(live(j, done))
+
+  def body(carry):
+    j, pools, tok, done, (toks, lps, routes) = carry
+    on = live(j, done)
+    out = forward(params, tok[:, None], jnp.where(on, positions + j, -1)[:, None],
+                  cfg=cfg, numerics=numerics, kv=PagedKV(*pools, table), sharding=sharding)
+    keys = sampling.token_keys(seed, request_id, sample_index, first_pos + j)
+    new, lp = sampling.sample(out.logits[:, 0], keys, temperature, top_k, top_p, numerics)
+    new = jnp.where(on, new, tok)
+    done = done | (on & jnp.any(new[:, None] == stop_ids, axis=-1))
+    routing = (out.routing[:, 0] if out.routing is not None
+               else jnp.zeros((s, 0, k), jnp.int32))
+    toks, lps, routes = (toks.at[j].set(new), lps.at[j].set(lp),
+                         routes.at[j].set(routing.astype(jnp.int32)))
+    return j + 1, (out.kv.k, out.kv.v), new, done, (toks, lps, routes)
+
+  init = (jnp.zeros((), jnp.int32), pools, tokens, jnp.zeros(s, bool), outputs)
+  steps, pools, _, _, (toks, lps, routes) = jax.lax.while_loop(cond, body, init)
+  return toks, lps, routes, steps, pools
+
+
+def prefill(params, pools: Pools, tokens, positions, table, last, *, cfg: ModelConfig,
+            numerics: Numerics, num_slots: int, sharding: sharding_lib.Sharding | None = None):
+  """Rows of new tokens (one sequence each) into their pages.
+
+  tokens / positions [B, W] (position -1 = padding), table [B, P], last [B] (the column of
+  each row's last token). Returns (logits [S, V] f32 at `last`, padded with zero rows to
+  num_slots, the first-token sampler's fixed width; routing [B, W, M, K]; pools).
+  """
+  out = forward(params, tokens, positions, cfg=cfg, numerics=numerics,
+                kv=PagedKV(*pools, table), sharding=sharding)
+  logits = jnp.take_along_axis(out.logits, last[:, None, None], axis=1)[:, 0]
+  logits = jnp.pad(logits, ((0, num_slots - tokens.shape[0]), (0, 0)))
+  routing = out.routing if out.routing is not None else jnp.zeros(tokens.shape + (0, 0))
+  return logits, routing, (out.kv.k, out.kv.v)
+
+
+def sample_first(logits, rows, key_ids, temperature, top_k, top_p, *, numerics: Numerics):
+  """First tokens: slot i samples from logits[rows[i]] ([S, V] -> tokens [S], log-probs [S]);
+  key_ids and the sampling arrays as in `decode_loop`, key position = the token's."""
+  return sampling.sample(logits[rows], sampling.token_keys(*key_ids), temperature, top_k,
+                         top_p, numerics)
+
+
+def copy_pages(pools: Pools, src, dst) -> Pools:
+  """pool[:, dst] = pool[:, src] for every layer and both pools (src, dst [S]; (0, 0) pairs
+  are no-ops)."""
+  return tuple(p.at[:, dst].set(p[:, src]) for p in pools)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EnginePrograms:
+  """The four programs jitted for one engine shape, with trace counts.
+
+  With a `sharding`, every program has explicit in/out shardings: params by the rules
+  table, pools by `KV_AXES` (donated, so outputs alias inputs), all else replicated.
+  """
+
+  cfg: ModelConfig
+  numerics: Numerics
+  num_slots: int
+  max_blocks: int
+  steps_per_call: int = 8
+  max_stop_tokens: int = 4
+  sharding: sharding_lib.Sharding | None = None
+  trace_counts: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter, init=False)
+  decode: Any = dataclasses.field(init=False, repr=False)
+  prefill: Any = dataclasses.field(init=False, repr=False)
+  sample: Any = dataclasses.field(init=False, repr=False)
+  copy: Any = dataclasses.field(init=False, repr=False)
+
+  def __post_init__(self):
+    if self.steps_per_call < 1 or self.max_stop_tokens < 0:
+      raise ValueError("need steps_per_call >= 1 and max_stop_tokens >= 0")
+    cfg, numerics, sh = self.cfg, self.numerics, self.sharding
+    decode = functools.partial(decode_loop, cfg=cfg, numerics=numerics,
+                               steps_per_call=self.steps_per_call, sharding=sh)
+    fill = functools.partial(prefill, cfg=cfg, numerics=numerics, num_slots=self.num_slots,
+                             sharding=sh)
+    sample = functools.partial(sample_first, numerics=numerics)
+    kv, rep = (self.kv_sharding, self.kv_sharding), self._replicated
+    params = None if sh is None else param_shardings(cfg, sh)
+    programs = {
+        "decode": (decode, (1,), (params, kv) + (rep,) * 9, (rep,) * 4 + (kv,)),
+        "prefill": (fill, (1,), (params, kv) + (rep,) * 4, (rep, rep, kv)),
+        "sample": (sample, (), (rep,) * 6, (rep, rep)),
+        "copy": (copy_pages, (0,), (kv, rep, rep), kv),
+    }
+    for name, (fn, donate, ins, outs) in programs.items():
+      shardings = {} if sh is None else {"in_shardings": ins, "out_shardings": outs}
+      object.__setattr__(self, name, jax.jit(self._counted(name, fn), donate_argnums=donate,
+                                             **shardings))
+
+  def _counted(self, name: str, fn):
+    def traced(*args):
+      key = f"prefill_{args[2].shape[0]}x{args[2].shape[1]}" if name == "prefill" else name
+      self.trace_counts[key] += 1
+      return fn(*args)
+    return traced
+
+  @property
+  def kv_sharding(self) -> NamedSharding | None:
+    return None if self.sharding is None else self.sharding.named(KV_AXES)
+
+  @property
+  def _replicated(self) -> NamedSharding | None:
+    return None if self.sharding is None else NamedSharding(self.sharding.mesh, PartitionSpec())
+
+  def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+    c = self.cfg
+    return (c.num_hidden_layers, num_pages, c.page_size, c.num_key_value_heads, c.head_dim)
+
+  def empty_pools(self, num_pages: int) -> Pools:
+    """Zeroed (k, v) pools, placed by `kv_sharding` when there is one."""
+    shape, dtype = self.pool_shape(num_pages), raw_dtype(self.cfg.compute_dtype)
+    return tuple(jnp.zeros(shape, dtype, device=self.kv_sharding) for _ in range(2))
+
+  def place_params(self, params: Any) -> Any:
+    """Params on the programs' shardings (unchanged without a sharding)."""
+    if self.sharding is None:
+      return params
+    return jax.device_put(params, param_shardings(self.cfg, self.sharding))
+
+  def decode_args(self, num_pages: int) -> tuple:
+    """`decode`'s arguments as ShapeDtypeStructs (with their shardings when the programs
+    have one; the mesh may be abstract): lower it with `decode.trace(*args).lower(...)`."""
+    sh = self.sharding
+
+    def sds(shape, dtype, sharding):
+      return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    params = abstract_params(self.cfg)
+    if sh is not None:
+      params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), params,
+                            param_shardings(self.cfg, sh))
+    pool = sds(self.pool_shape(num_pages), raw_dtype(self.cfg.compute_dtype), self.kv_sharding)
+    rep, i32 = self._replicated, jnp.int32
+    slots = lambda dtype, *extra: sds((self.num_slots, *extra), dtype, rep)  # noqa: E731
+    return (params, (pool, pool), slots(i32), slots(i32), slots(i32),
+            slots(i32, self.max_blocks), tuple(slots(i32) for _ in range(4)),
+            slots(jnp.float32), slots(i32), slots(jnp.float32),
+            slots(i32, self.max_stop_tokens + 1))

@@ -1,0 +1,64 @@
+"""The engine's device programs called directly, without the engine's scheduler."""
+
+import chex
+import jax
+import numpy as np
+
+from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.engine.programs import EnginePrograms
+from rljax.numerics import Numerics
+
+DET = Numerics("deterministic")
+
+
+def test_public_programs_reproduce_the_engine_bitwise(tiny_cfg, tiny_params):
+  # One sampled request of 20 prompt tokens and 1 + 2 x 4 new tokens: the engine's run vs
+  # prefill -> first-token sample -> two decode loops by hand on scrambled pages.
+  slots, spc, max_len, num_pages = 2, 4, 64, 9
+  prompt = (np.arange(20) * 7 + 3) % tiny_cfg.vocab_size
+  req = Request(7, prompt, seed=5, sampling=SamplingParams(max_new_tokens=1 + 2 * spc))
+  engine = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots,
+                        max_seq_len=max_len, steps_per_call=spc)
+  (want,) = engine.generate([req])
+  assert len(want.completion_ids) == 1 + 2 * spc
+
+  programs = EnginePrograms(tiny_cfg, DET, num_slots=slots, max_blocks=max_len // 16,
+                            steps_per_call=spc)
+  pools = programs.empty_pools(num_pages)
+  pages = [5, 3, 0, 0]
+  i32 = lambda *x: np.asarray(x, np.int32)  # noqa: E731
+  tokens = np.zeros((1, 32), np.int32)
+  positions = np.full((1, 32), -1, np.int32)
+  tokens[0, :20], positions[0, :20] = prompt, np.arange(20)
+  logits, prefill_routing, pools = programs.prefill(tiny_params, pools, tokens, positions,
+                                                    i32(pages), i32(19))
+  assert logits.shape == (slots, tiny_cfg.vocab_size)
+
+  def sampling_arrays(position):  # slot 0 is the request's, slot 1 stays empty
+    key_ids = (i32(5, 0), i32(7, 0), i32(0, 0), i32(position, 0))
+    return key_ids, np.ones(slots, np.float32), i32(0, 0), np.ones(slots, np.float32)
+
+  first, first_lp = programs.sample(logits, i32(0, 0), *sampling_arrays(20))
+  got_tokens, got_lps = [int(first[0])], [np.asarray(first_lp)[:1]]
+  got_routing = [np.asarray(prefill_routing)[0, :20]]
+  table = np.zeros((slots, max_len // 16), np.int32)
+  table[0] = pages
+  stop_ids = np.full((slots, 5), -1, np.int32)
+  for position in (20, 20 + spc):  # the position each call feeds first
+    args = (tiny_params, pools, i32(got_tokens[-1], 0), i32(position, -1), i32(spc, 0), table,
+            *sampling_arrays(position + 1), stop_ids)
+    if position == 20:  # the abstract arguments aot_check lowers are these arrays' types
+      spec = programs.decode_args(num_pages)
+      chex.assert_trees_all_equal_shapes_and_dtypes(spec, args)
+    toks, lps, routing, ran, pools = programs.decode(*args)
+    assert int(ran) == spc
+    got_tokens += np.asarray(toks)[:, 0].tolist()
+    got_lps.append(np.asarray(lps)[:, 0])
+    got_routing.append(np.asarray(routing)[:, 0])
+
+  np.testing.assert_array_equal(got_tokens, want.completion_ids)
+  chex.assert_trees_all_equal(np.concatenate(got_lps), want.behaviour_logprobs)
+  # the last sampled token is never fed, so its routing row stays zero
+  chex.assert_trees_all_equal(np.concatenate(got_routing), want.expert_ids[:-1])
+  assert programs.trace_counts == {"prefill_1x32": 1, "sample": 1, "decode": 1}
+  assert engine.trace_counts["decode"] == 1
