@@ -143,6 +143,7 @@ def test_sampling_modes(tiny_cfg, tiny_params):
       numerics=DET).logits))[0, 3:]
   top2 = np.sort(full, axis=-1)[:, -2:]
   want = full[np.arange(len(full)), t2.completion_ids] - np.log(np.exp(top2).sum(-1))
+  # f32 on both sides, det_log/det_exp (<= 2 ulp) vs numpy's: ~1e-6 at |log p| ~ 5
   np.testing.assert_allclose(t2.behaviour_logprobs, want, atol=1e-5)
   # temperature: behaviour log-probs are those of logits / T, as the trainer computes them
   hot = one(temperature=0.7)
@@ -305,6 +306,8 @@ def test_dense_experts_match_the_ragged_path():
   for offset in (0, 2):  # an expert-parallel shard: ids outside [offset, offset + e) are zero
     ragged, dense = (jax.jit(lambda *a, dense=dense: moe.experts_local(
         *a, offset, fast, dense=dense))(x, ids, gate, up, down) for dense in (False, True))
+    # bf16 outputs of f32 sums in different orders: one bf16 rounding apart (2^-8 rel,
+    # rtol ~2.5 ulps); atol for outputs near zero (terms ~0.2 * |x| each, cancelling)
     np.testing.assert_allclose(np.asarray(dense, np.float32), np.asarray(ragged, np.float32),
                                atol=2e-2, rtol=1e-2)
 
@@ -351,6 +354,6 @@ def test_paged_attention_reads_only_visible_blocks_with_the_same_result(numerics
     if numerics.deterministic:
       chex.assert_trees_all_equal(got, want)
     else:  # a fully masked row is a uniform average in fast mode: padding, not compared
-      live = np.asarray(q_index[:, 0] >= 0)
+      live = np.asarray(q_index[:, 0] >= 0)  # bf16 outputs (|out| <~ 3): a few ulps of 2^-8
       np.testing.assert_allclose(np.asarray(got, np.float32)[live],
                                  np.asarray(want, np.float32)[live], atol=2e-2)
