@@ -26,6 +26,7 @@ import json
 import math
 from typing import Any, Mapping
 
+from flax import traverse_util
 import numpy as np
 import xxhash
 
@@ -376,27 +377,18 @@ def _check_paths(entries: Mapping[str, Any], what: str) -> None:
 # ---- params <-> named tensors ----
 
 
-def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """Nested dicts -> {"a/b/c": leaf}. Keys must be non-empty strings without '/'."""
+def flatten(params: Mapping[str, Any]) -> dict[str, Any]:
+  """Nested dicts -> {"a/b/c": leaf} (flax.traverse_util). Keys must be non-empty strings
+  without '/'."""
   if not isinstance(params, Mapping):
     raise TypeError(f"the weight stream takes nested dicts of arrays, got {type(params)}")
-  out = {}
-  for k, v in params.items():
-    if not isinstance(k, str) or not k or "/" in k:
-      raise ValueError(f"param key {k!r} must be a non-empty string without '/'")
-    if isinstance(v, Mapping):
-      out.update(flatten(v, f"{prefix}{k}/"))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
+  flat = traverse_util.flatten_dict(dict(params))
+  for path in flat:
+    for k in path:
+      if not isinstance(k, str) or not k or "/" in k:
+        raise ValueError(f"param key {k!r} must be a non-empty string without '/'")
+  return {"/".join(path): v for path, v in flat.items()}
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for path, v in flat.items():
-    *parents, leaf = path.split("/")
-    node = out
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = v
-  return out
+  return traverse_util.unflatten_dict(dict(flat), sep="/")
