@@ -25,7 +25,9 @@ Storage is read (a-c, done) at most once per `poll_s`, whatever the decode rate.
 
 Status record: {host_id, incarnation, pid, applied: [[version, published_at, applied_at,
 apply_pause_s], ...] (last 50; published_at = the manifest's `created_unix`, or null),
-tokens_generated, generate_s, idle_s, groups_pushed, time, version, in_flight}.
+tokens_generated, generate_s, idle_s, groups_pushed, groups_discarded, time, version,
+in_flight, done, stream_errors (count), last_stream_error (a bad version is skipped: the
+host keeps its verified weights and moves on at the next good one)}.
 """
 
 from __future__ import annotations
