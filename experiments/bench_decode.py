@@ -70,12 +70,14 @@ def main(_):
   greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
   max_len = PROMPT + NEW
 
-  engines = {m: DecodeEngine(cfg, params, numerics=Numerics(m), num_slots=BATCH,
-                             max_seq_len=max_len) for m in ("fast", "deterministic")}
+  engines = {m: DecodeEngine(cfg.resolved(jax.default_backend(), m), params,
+                             numerics=Numerics(m), num_slots=BATCH, max_seq_len=max_len)
+             for m in ("fast", "deterministic")}
 
   def run_engine(mode):
     return engines[mode].generate([Request(i, prompts[i], sampling=greedy) for i in range(BATCH)])
 
+  cfg = cfg.resolved(jax.default_backend(), "fast")  # the fast engine's choices
   # naive: the whole padded sequence through a fresh paged KV every step. `forward` picks
   # its MoE and attention paths by whether it gets a KV (the engine's: dense experts on
   # CPU, paged attention), so the naive baseline runs the engine's path, reusing nothing.
