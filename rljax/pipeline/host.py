@@ -155,11 +155,7 @@ class RolloutHost:
     (a new version, or arrays replaced by a rollback). Returns the new version or None.
     A stream error is recorded (status: stream_errors) and the host keeps its weights."""
     t0 = time.perf_counter()
-    try:
-      moved = self.sub.poll()
-    except fmt.StreamError as e:
-      self.sub.stats.error(f"poll: {e}")
-      moved = None
+    moved = self._poll()
     if moved is None and self._arrays_unchanged():
       return None
     self.engine.update_weights(self.sub.params, self.sub.version)
@@ -168,6 +164,14 @@ class RolloutHost:
       return None
     self._record_applied(moved, time.perf_counter() - t0)
     return moved
+
+  def _poll(self) -> int | None:
+    """Subscriber.poll; a StreamError is recorded (the weights stay as they were)."""
+    try:
+      return self.sub.poll()
+    except fmt.StreamError as e:
+      self.sub.stats.error(f"poll: {e}")
+      return None
 
   def _arrays(self) -> dict[str, int]:
     return {path: id(x) for path, x in fmt.flatten(self.sub.params).items()}
@@ -193,11 +197,7 @@ class RolloutHost:
       if self.store.read(DONE_KEY) is not None:
         raise RunOver(f"{DONE_KEY} exists under {self.root}: the run is over")
       t0 = time.perf_counter()
-      try:
-        version = self.sub.poll()
-      except fmt.StreamError as e:
-        self.sub.stats.error(f"poll: {e}")
-        version = None
+      version = self._poll()
       if version is not None:
         return version, time.perf_counter() - t0
       if time.monotonic() >= deadline:
