@@ -33,7 +33,8 @@ def test_config_loads_and_builds(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_tiny_variant_runs_a_forward(name):
   cfg = _load(name, "tiny")
-  model = ModelConfig.from_dict(cfg.model.to_dict())
+  model = ModelConfig.from_dict(cfg.model.to_dict()).resolved(jax.default_backend(),
+                                                              cfg.numerics)
   assert count_params(abstract_params(model)) < 5_000_000, "tiny variants must fit a laptop"
   params = init_params(model, jax.random.key(0))
   tokens = np.ones((1, 16), np.int32)
