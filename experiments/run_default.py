@@ -16,21 +16,17 @@ import jax
 from ml_collections import config_flags
 import numpy as np
 
-from rljax import sharding as sharding_lib
-from rljax.model import ModelConfig, count_params, init_sharded, scoring
-from rljax.numerics import Numerics
+from rljax.model import count_params, init_sharded, scoring
+from rljax.pipeline.run import MODEL_ONLY, build
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_moe.py", "experiment config")
 
 
 def main(_):
   config = _CONFIG.value
-  numerics = Numerics(config.numerics)
-  cfg = ModelConfig.from_dict(config.model.to_dict()).resolved(jax.default_backend(), numerics)
+  built = build(config, MODEL_ONLY)
+  cfg, numerics, sharding = built.cfg, built.numerics, built.sharding
   logging.info("devices: %s", jax.devices())
-  mesh_shape = {k: v for k, v in config.mesh.items() if v > 1} or None
-  sharding = sharding_lib.Sharding(sharding_lib.make_mesh(mesh_shape, jax.devices()[:1]
-                                                          if mesh_shape is None else None))
   t0 = time.perf_counter()
   params = init_sharded(cfg, config.seed, sharding)
   rng = np.random.default_rng(config.seed)

@@ -144,9 +144,10 @@ class Built:
 
 
 def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
-          devices: bool = True) -> Built:
+          devices: bool = True, platform: str | None = None) -> Built:
   """Validates `config` for `needs` and builds the run's objects. `devices=False`: no mesh
-  of real devices (the AOT check lowers on an abstract one)."""
+  of real devices (the AOT check lowers on an abstract one); `platform`: the backend the
+  model's "auto" choices are made for (default: the running one)."""
   validate(config, needs)
   needs = set(needs)
   try:
@@ -154,7 +155,7 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
     numerics = Numerics(config.numerics)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.model / config.numerics: {e}") from None
-  cfg = cfg.resolved(jax.default_backend(), numerics.mode)  # every "auto" choice, once
+  cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   env = None
   if "env" in needs:
