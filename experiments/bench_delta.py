@@ -13,7 +13,7 @@ design notes' measurement; the 5-version catch-up deltas have that density, so t
 ratio is the one to compare with it.)
 
 Second workload (`--workload=grpo` or `both`, the default): real GRPO updates of the
-`configs/arith_tiny.py` run (rljax.pipeline.sync: SFT warm start for `--grpo_sft_steps`,
+`configs/arith_tiny.py` run (rljax.pipeline.lockstep: SFT warm start for `--grpo_sft_steps`,
 then GRPO steps with the in-process engine), each version's serving bf16 params
 snapshotted, at the config's own learning rate and at 1e-6 (the design notes' regime).
 
@@ -47,6 +47,7 @@ import numpy as np
 import optax
 import zstandard
 
+from experiments import machine_info
 from rljax.model import ModelConfig, count_params, forward, init_params
 from rljax.numerics import Numerics
 from rljax.sync import Publisher, Store, Subscriber, codecs
@@ -143,14 +144,15 @@ def grpo_snapshots(learning_rates=(None, 1e-6)):
   (None = the config's), from one shared SFT warm start."""
   import tempfile  # pylint: disable=import-outside-toplevel
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import sync  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.sft.steps = _GRPO_SFT.value
   config.rl.steps = _RL_STEPS.value
   config.eval.every = 0
   config.log.tensorboard = False
-  run = sync.setup(config, tempfile.mkdtemp(prefix="bench_delta_grpo_"))
-  sync.sft(run)
+  run = core.setup(build(config), tempfile.mkdtemp(prefix="bench_delta_grpo_"))
+  core.sft(run)
   warm = run.state
   out = {}
   for lr in learning_rates:
@@ -163,7 +165,7 @@ def grpo_snapshots(learning_rates=(None, 1e-6)):
         snaps[record["step"]] = _bf16_bits(run.engine.params)
 
     t0 = time.perf_counter()
-    sync.grpo(run, on_step=keep)
+    lockstep.grpo(run, on_step=keep)
     out[config.rl.learning_rate] = (snaps, {
         "model": "arith_tiny", "params": count_params(warm.params),
         "sft_steps": _GRPO_SFT.value, "rl_steps": _RL_STEPS.value,
@@ -328,6 +330,7 @@ def main(_):
     for lr, (snaps, facts) in grpo_snapshots().items():
       results, _ = measure_window(snaps, facts["params"])
       out["grpo"][f"lr_{lr:g}"] = {"workload": facts, "codecs": results}
+  out["machine"] = machine_info.machine()
   print(json.dumps(out))
 
 
