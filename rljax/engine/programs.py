@@ -160,6 +160,7 @@ class EnginePrograms:
       key = f"prefill_{args[2].shape[0]}x{args[2].shape[1]}" if name == "prefill" else name
       self.trace_counts[key] += 1
       return fn(*args)
+    traced.__name__ = traced.__qualname__ = name  # jit(decode) etc. in HLO and profiles
     return traced
 
   @property
