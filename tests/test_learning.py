@@ -29,9 +29,9 @@ RL_TASKS = 16  # = prompts per step: each step samples every task once (order sh
 PROBE_SAMPLES = 32  # per task: 512 completions, binomial std of the rate <= 0.022
 # Success fraction, absolute. Measured with config seeds 0 / 1 / 2: 0.355 -> 0.672 / 0.449
 # -> 0.746 / 0.340 -> 0.730 (+0.32 / +0.30 / +0.39); the flipped sign falls to 0.0 within
-# ~5 steps. The sampling noise
-# of a before/after difference is <= 0.031 (two 512-sample rates), so a run that does not
-# learn stays ~5 std below the margin and a working one ~5 std above it.
+# ~5 steps. The sampling noise of a before/after difference is <= 0.031 (two 512-sample
+# rates), so a run that does not learn stays ~5 std below the margin and the measured
+# gains are ~5 std above it.
 MARGIN = 0.15
 
 
@@ -100,5 +100,4 @@ def test_grpo_raises_train_reward_and_a_flipped_sign_does_not(warm, sign):
   if sign > 0:
     assert after >= before + MARGIN, (before, after)
   else:
-    assert after < before + MARGIN, (before, after)
     assert after < before - MARGIN, (before, after)  # pushed away from the right answers
