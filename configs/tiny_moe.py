@@ -14,5 +14,5 @@ def get_config() -> ml_collections.ConfigDict:
       moe_intermediate_size=32, intermediate_size=96, mlp_only_layers=(0,),
       decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
       tie_word_embeddings=False, max_position_embeddings=256, page_size=16,
-      dtype="bfloat16", param_dtype="bfloat16", remat=False))
+      dtype="auto", param_dtype="bfloat16", remat=False))
   return c

@@ -9,15 +9,13 @@ with per-device bytes (rljax/aot.py says what is measured and how).
 Prints a table; the last line is one JSON object.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from rljax import aot
+from rljax import aot, numerics
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_30b_a3b.py",
                                           "config with `model` and `mesh`", lock_config=True)
@@ -44,6 +42,7 @@ _HOST_DEVICES = flags.DEFINE_integer("host_devices", 0, "simulate this many CPU 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   if _HOST_DEVICES.value:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
     if xla_bridge.backends_are_initialized():

@@ -14,8 +14,6 @@ Timing: the contenders alternate (A B C, repeated), and ratios are medians of pe
 ratios. Last line: one JSON object.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 import statistics
 import tempfile
@@ -32,6 +30,7 @@ from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import ModelConfig, PagedKV, forward, scoring
 from rljax.model.hf_import import hf_config_kwargs, load_hf_checkpoint
 from rljax.model.packing import pack, unpack
+from rljax import numerics
 from rljax.numerics import Numerics
 
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "alternating timing rounds")
@@ -59,6 +58,7 @@ def _time(fn):
 
 
 def main(_):
+  numerics.set_up_process("deterministic")  # both modes' engines run here
   import torch  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(2)
   hf = _hf_model(ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()))

@@ -33,8 +33,6 @@ Per codec (every delta codec in rljax.sync.codecs), over the steady-state steps:
 jitted scatter) with the default codec. Last line: one JSON object.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 import statistics
 import time

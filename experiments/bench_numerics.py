@@ -6,51 +6,42 @@ masked mean NLL over 8 packed rows of 128 tokens; a decode step = one token for 
 Exactness: 8 sequences (lengths 9..70) decoded one token at a time through the paged
 engine path vs the training forward; max |log-prob difference| over all tokens.
 Timing: the two modes alternate (A B A B ...), each sample is the median of a few calls,
-and the reported ratio is the median of per-pair ratios. `rljax_xla_flags_cost_fast_train`
-is fast-mode train step time with / without all of the process-wide XLA flags that
-rljax sets (alternating child processes; the "without" child puts XLA_FLAGS back as it
-found it after `import rljax` appended them, before JAX starts, and reports whether XLA
-then contracts a*b+c into an FMA, which the flags forbid). Last line: one JSON object.
+and the reported ratio is the median of per-pair ratios. This process runs both modes, so
+it installs the deterministic XLA flags first. Child processes alternate to show what a
+fast-mode process gains by not having them: `det_xla_flags_cost_fast_train` is the fast
+bf16 train step in a child with the flags over one without (a fast-mode process, which
+also reports whether XLA contracted a*b+c into an FMA, which the flags forbid).
+`fast_f32_over_bf16`: in the fast-mode children, train and decode steps with f32
+activations and matmuls over bf16 ones (the same bf16 weights; what `ModelConfig.dtype =
+"auto"` chooses between on a CPU). Last line: one JSON object.
 """
 
+import dataclasses
+import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 
-# `import rljax` appends its flags to XLA_FLAGS; XLA reads them when the backend starts.
-_XLA_FLAGS_BEFORE_RLJAX = os.environ.get("XLA_FLAGS")
-import rljax  # noqa: E402,F401  (XLA flags first)
-if "--child_without_rljax_flags" in sys.argv:
-  if _XLA_FLAGS_BEFORE_RLJAX is None:
-    del os.environ["XLA_FLAGS"]
-  else:
-    os.environ["XLA_FLAGS"] = _XLA_FLAGS_BEFORE_RLJAX
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from configs import tiny_moe  # noqa: E402
-from experiments import machine_info  # noqa: E402
-from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring  # noqa: E402
-from rljax.model.packing import pack  # noqa: E402
-from rljax.model.params import cast, scale_matrices  # noqa: E402
-from rljax.numerics import Numerics  # noqa: E402
+from configs import tiny_moe
+from experiments import machine_info
+from rljax import numerics as numerics_lib
+from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
+from rljax.model.packing import pack
+from rljax.model.params import cast, scale_matrices
+from rljax.numerics import Numerics
 
 _PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
 _CALLS = flags.DEFINE_integer("calls", 3, "calls per timing sample (median taken)")
 _ROUNDS = flags.DEFINE_integer("flag_rounds", 3, "child-process pairs for the flags' cost")
-# The flags rljax installs apply to the whole process, fast mode included. To show what
-# they cost, child processes with and without them alternate, timing fast train steps.
-_CHILD = flags.DEFINE_bool("child_fast_train", False,
-                           "internal: time fast train steps, print one JSON line")
-_CHILD_WITHOUT = flags.DEFINE_bool("child_without_rljax_flags", False,
-                                   "internal: with --child_fast_train, XLA's default flags")
+_CHILD = flags.DEFINE_enum("child", None, ["fast_process", "with_det_flags"],
+                           "internal: time fast steps in bf16 and f32, print one JSON line")
 
 
 def _params(cfg):
@@ -109,74 +100,87 @@ def _time(fn, params, calls):
   return statistics.median(samples)
 
 
-def _ratio(make, cfg, params, pairs, calls):
-  det, fast = make(cfg, Numerics("deterministic")), make(cfg, Numerics("fast"))
-  for fn in (det, fast):
+def _ratio(make_a, make_b, params):
+  """Median over interleaved pairs of time(a) / time(b), and the median times."""
+  a, b = make_a(), make_b()
+  for fn in (a, b):
     jax.block_until_ready(fn(params))  # compile
-  ratios, t_det, t_fast = [], [], []
-  for _ in range(pairs):
-    a, b = _time(det, params, calls), _time(fast, params, calls)
-    ratios.append(a / b)
-    t_det.append(a)
-    t_fast.append(b)
-  return statistics.median(ratios), statistics.median(t_det), statistics.median(t_fast)
+  ratios, t_a, t_b = [], [], []
+  for _ in range(_PAIRS.value):
+    ta, tb = _time(a, params, _CALLS.value), _time(b, params, _CALLS.value)
+    ratios.append(ta / tb)
+    t_a.append(ta)
+    t_b.append(tb)
+  return statistics.median(ratios), statistics.median(t_a), statistics.median(t_b)
+
+
+def _modes(make, cfg, params):
+  return _ratio(lambda: make(cfg, Numerics("deterministic")),
+                lambda: make(cfg, Numerics("fast")), params)
 
 
 def _fma_contracted() -> bool:
-  """Whether XLA fuses a*b+c into one FMA here (rljax's --xla_cpu_max_isa=AVX forbids it)."""
+  """Whether XLA fuses a*b+c into one FMA in this process."""
   rng = np.random.default_rng(0)
   a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
   fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
   return not np.array_equal(fused, (a * b).astype(np.float32) + c)
 
 
-def _child_fast_train(cfg, params):
-  fn = _train_step(cfg, Numerics("fast"))
-  jax.block_until_ready(fn(params))
-  ms = 1e3 * statistics.median(_time(fn, params, _CALLS.value) for _ in range(_PAIRS.value))
-  print(json.dumps({"ms": ms, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                    "fma_contracted": _fma_contracted()}))
+def _child(cfg, params):
+  """Fast-mode train and decode steps, f32 over bf16 compute, in this child process."""
+  fast, f32 = Numerics("fast"), dataclasses.replace(cfg, dtype="float32")
+  out = {"det_flags": numerics_lib.deterministic_xla_flags_set(),
+         "fma_contracted": _fma_contracted()}
+  for name, make in (("train", _train_step), ("decode", _decode_step)):
+    ratio, t32, t16 = _ratio(lambda: make(f32, fast), lambda: make(cfg, fast), params)
+    out[name] = {"f32_over_bf16": ratio, "bf16_ms": 1e3 * t16, "f32_ms": 1e3 * t32}
+  print(json.dumps(out))
 
 
-def _flags_cost(rounds):
-  """Median over alternating child processes of fast train step time, rljax flags on/off,
-  and the "off" children's evidence that the flags were off."""
-  env = dict(os.environ)  # this process's XLA_FLAGS has rljax's: start children without
-  env.pop("XLA_FLAGS")
-  if _XLA_FLAGS_BEFORE_RLJAX is not None:
-    env["XLA_FLAGS"] = _XLA_FLAGS_BEFORE_RLJAX
-  ratios, off = [], []
+def _children(rounds):
+  """Alternating children with and without the deterministic flags."""
+  flags_off = [f for f in os.environ.get("XLA_FLAGS", "").split()
+               if f not in numerics_lib.DETERMINISTIC_XLA_FLAGS]
+  env = {**os.environ, "XLA_FLAGS": " ".join(flags_off)}
+  cost, fast = [], []
   for _ in range(rounds):
-    times = []
-    for extra in ([], ["--child_without_rljax_flags"]):
-      out = subprocess.run([sys.executable, __file__, "--child_fast_train",
-                            f"--pairs={_PAIRS.value}", f"--calls={_CALLS.value}", *extra],
+    pair = {}
+    for kind in ("with_det_flags", "fast_process"):
+      out = subprocess.run([sys.executable, __file__, f"--child={kind}",
+                            f"--pairs={_PAIRS.value}", f"--calls={_CALLS.value}"],
                            env=env, capture_output=True, text=True, check=True).stdout
-      child = json.loads(out.strip().splitlines()[-1])
-      times.append(child["ms"])
-      if extra:
-        off.append(child)
-    ratios.append(times[0] / times[1])
-  if any(flag.split("=")[0] in c["xla_flags"] for c in off for flag in rljax.REQUIRED_XLA_FLAGS):
-    raise AssertionError(f"a child meant to run without rljax's flags had them: {off}")
-  return statistics.median(ratios), all(c["fma_contracted"] for c in off)
+      pair[kind] = json.loads(out.strip().splitlines()[-1])
+    if pair["fast_process"]["det_flags"] or not pair["with_det_flags"]["det_flags"]:
+      raise AssertionError(f"children with the wrong flags: {pair}")
+    cost.append(pair["with_det_flags"]["train"]["bf16_ms"] /
+                pair["fast_process"]["train"]["bf16_ms"])
+    fast.append(pair["fast_process"])
+  med = lambda xs: round(statistics.median(xs), 3)
+  return {"det_xla_flags_cost_fast_train": med(cost),
+          "fast_process_fma_contracted": all(c["fma_contracted"] for c in fast),
+          "fast_f32_over_bf16": {k: med([c[k]["f32_over_bf16"] for c in fast])
+                                 for k in ("train", "decode")},
+          "fast_process_step_ms": {k: {d: med([c[k][f"{d}_ms"] for c in fast])
+                                       for d in ("bf16", "f32")} for k in ("train", "decode")}}
 
 
 def main(_):
+  if _CHILD.value != "fast_process":  # the parent runs both modes
+    numerics_lib.install_deterministic_xla_flags()
   # resolved for deterministic numerics: both modes measured on the same (reference) paths
   cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved(
       jax.default_backend(), "deterministic")
   params = _params(cfg)
   if _CHILD.value:
-    _child_fast_train(cfg, params)
+    _child(cfg, params)
     return
   rng = np.random.default_rng(0)
   seqs = [rng.integers(1, cfg.vocab_size, size=n) for n in (9, 16, 17, 33, 40, 51, 64, 70)]
   det_diff = _decode_vs_train(cfg, params, Numerics("deterministic"), seqs)
   fast_diff = _decode_vs_train(cfg, params, Numerics("fast"), seqs)
-  train, t_train_det, t_train_fast = _ratio(_train_step, cfg, params, _PAIRS.value, _CALLS.value)
-  dec, t_dec_det, t_dec_fast = _ratio(_decode_step, cfg, params, _PAIRS.value, _CALLS.value)
-  flags_cost, without_fma = _flags_cost(_ROUNDS.value)
+  train, t_train_det, t_train_fast = _modes(_train_step, cfg, params)
+  dec, t_dec_det, t_dec_fast = _modes(_decode_step, cfg, params)
   print(json.dumps({
       "workload": "tiny_moe bf16; train: fwd+bwd 8x128 packed; decode: 32 slots x 1 token, "
                   "40 cached; exactness: 8 seqs (9..70 tokens) paged decode vs train forward",
@@ -187,8 +191,7 @@ def main(_):
       "det_over_fast_decode_step": round(dec, 3),
       "train_step_ms": {"det": round(1e3 * t_train_det, 2), "fast": round(1e3 * t_train_fast, 2)},
       "decode_step_ms": {"det": round(1e3 * t_dec_det, 2), "fast": round(1e3 * t_dec_fast, 2)},
-      "rljax_xla_flags_cost_fast_train": round(flags_cost, 3),
-      "without_flags_child_fma_contracted": without_fma,
+      **_children(_ROUNDS.value),
       "pairs": _PAIRS.value,
       "machine": machine_info.machine(),
   }))

@@ -18,8 +18,6 @@ Without a GPU it prints {"skipped": "no GPU"}; `--interpret` runs a tiny smoke v
 in Pallas interpret mode on CPU instead (its times are meaningless).
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 
 from absl import app, flags
@@ -27,6 +25,7 @@ import jax
 
 from experiments import machine_info
 from pallas_kernels import gpu_check
+from rljax import numerics
 
 _B = flags.DEFINE_integer("batch", 64, "sequences (one query token each)")
 _HKV = flags.DEFINE_integer("kv_heads", 8, "KV heads")
@@ -50,6 +49,7 @@ def _emit(result: dict) -> None:
 
 def main(argv):
   del argv
+  numerics.set_up_process("deterministic")  # the check runs both modes' references
   backend = jax.default_backend()
   if backend != "gpu" and not _INTERPRET.value:
     _emit({"skipped": "no GPU", "backend": backend,

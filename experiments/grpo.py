@@ -8,8 +8,6 @@ the SFT checkpoint. The last line printed is one JSON object: held-out pass@1 be
 (after SFT) and after GRPO, pass@k, steps, wall_s, mismatch_max_abs.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import sys
 import tempfile
 
@@ -18,7 +16,7 @@ import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from rljax import distributed
+from rljax import distributed, numerics
 from rljax.pipeline.lockstep import run_experiment
 from rljax.pipeline.metrics import json_line
 
@@ -33,6 +31,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
   distributed.require_one_process("the lockstep loop runs its DecodeEngine in the "
                                   "trainer process")

@@ -10,8 +10,6 @@ same command on each, with an explicit --root all reach and config.mesh spanning
 devices; process 0 starts the hosts and prints the summary. Last line: one JSON object.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import os
 import sys
 import tempfile
@@ -21,7 +19,7 @@ import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from rljax import distributed
+from rljax import distributed, numerics
 from rljax.pipeline import launch
 from rljax.pipeline.async_loop import run_async
 from rljax.pipeline.metrics import json_line
@@ -40,6 +38,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
   config, primary = _CONFIG.value, distributed.is_primary()
   if jax.process_count() > 1:

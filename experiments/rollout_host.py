@@ -9,13 +9,12 @@ The last line printed is one JSON object: the host's final status record plus "e
 ("done" or "max_seconds").
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rljax import numerics
 from rljax.pipeline.host import RolloutHost, RunOver
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
@@ -37,6 +36,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _ROOT.value.startswith("memory://"):
     raise app.UsageError("a memory:// root is private to one process; use file:// or gs://")
+  numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   try:
     host = RolloutHost(_ROOT.value, _CONFIG.value, _HOST_ID.value,
                        first_version_timeout_s=_FIRST_VERSION_TIMEOUT_S.value)

@@ -6,8 +6,6 @@ through the paged-KV path, and checks that the two give the same bits in determi
 mode. Last line: one JSON object.
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 import time
 

@@ -13,8 +13,12 @@ token's logits are the same bits in a training forward, a prefill and a decode s
   (XLA:CPU's reduction order depends on the sizes of the other axes).
 * exp and log are polynomials built from + - * / and bit operations (XLA:CPU's
   vectorised exp/log give different bits in loop tails); they carry custom JVPs.
-* FMA contraction and excess precision are switched off by flags that `rljax`
-  installs on import (see rljax/__init__.py).
+* FMA contraction, excess precision and dot fusion are switched off by process-wide XLA
+  flags (`DETERMINISTIC_XLA_FLAGS`), installed by the first `Numerics("deterministic")`
+  made before JAX starts its backend (or by `install_deterministic_xla_flags()`). A
+  process that only runs fast numerics never gets them: XLA reads its flags once, when the
+  backend starts, so they cannot be set per program (`jax.jit(compiler_options=...)`
+  accepts `xla_cpu_max_isa` but XLA:CPU still contracts FMAs: measured).
 
 Backward passes are not covered: gradients need not be invariant, only the forward
 log-probs that the trainer and the engine both compute.
@@ -24,14 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Literal
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
-
-import rljax
 
 Mode = Literal["fast", "deterministic"]
 
@@ -41,6 +44,61 @@ _LN2_LO = -2.12194440e-4
 _EXP_MAX = 88.0
 _EXP_MIN = -87.0  # below this exp() returns 0: 2**-126 is the smallest normal f32
 _SQRT_HALF = 0.70710678118654752
+
+# --xla_cpu_max_isa=AVX: LLVM contracts a*b+c into an FMA inside XLA:CPU fusions, so the
+#   bits of an elementwise chain depend on where fusion boundaries fall (they differ
+#   between a training graph and a decode graph). AVX has no FMA instructions. The bf16
+#   dots (YNNPACK) are library calls and keep their kernels.
+# --xla_allow_excess_precision=false: keep every explicit bf16 rounding point.
+# --xla_cpu_experimental_ynn_fusion_type=individual_dot: XLA:CPU otherwise fuses a dot's
+#   elementwise producers/consumers into one YNNPACK fusion whose bf16 handling differs
+#   from the unfused ops (seen: the LM head fused with the final RMSNorm when only target
+#   log-probs are returned moved log-probs by 1e-2). Dots stay single library calls.
+# The xla_cpu_* flags are ignored on GPU and TPU.
+DETERMINISTIC_XLA_FLAGS = ("--xla_cpu_max_isa=AVX", "--xla_allow_excess_precision=false",
+                           "--xla_cpu_experimental_ynn_fusion_type=individual_dot")
+
+
+def set_up_process(mode: str) -> None:
+  """First thing in an entry point's main, with the run's numerics mode: a deterministic
+  run installs its XLA flags before anything starts JAX's backend; a fast one keeps XLA's
+  defaults (the platform's best settings)."""
+  if mode not in ("fast", "deterministic"):
+    raise ValueError(f"numerics mode must be 'fast' or 'deterministic', got {mode!r}")
+  if mode == "deterministic":
+    install_deterministic_xla_flags()
+
+
+def _backend_started() -> bool:
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  return xla_bridge.backends_are_initialized()
+
+
+def deterministic_xla_flags_set() -> bool:
+  """Whether XLA_FLAGS holds every deterministic flag."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  return all(flag in flags for flag in DETERMINISTIC_XLA_FLAGS)
+
+
+def install_deterministic_xla_flags() -> None:
+  """Adds DETERMINISTIC_XLA_FLAGS to XLA_FLAGS for this process (and the processes it
+  starts). Call it before the first JAX computation; afterwards it can only check them.
+
+  Raises RuntimeError if the backend already started without them: deterministic
+  programs would then compile with FMA contraction and excess precision.
+  """
+  if deterministic_xla_flags_set():
+    return
+  if _backend_started():
+    raise RuntimeError(
+        "deterministic numerics needs the XLA flags "
+        f"{' '.join(DETERMINISTIC_XLA_FLAGS)}, but the JAX backend started without them. "
+        "Make Numerics('deterministic') or call "
+        "rljax.numerics.install_deterministic_xla_flags() before the first JAX "
+        "computation, or put the flags in XLA_FLAGS.")
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if f.split("=")[0] not in {d.split("=")[0] for d in DETERMINISTIC_XLA_FLAGS}]
+  os.environ["XLA_FLAGS"] = " ".join(flags + list(DETERMINISTIC_XLA_FLAGS))
 
 
 @jax.custom_jvp
@@ -122,11 +180,8 @@ class Numerics:
   def __post_init__(self):
     if self.mode not in ("fast", "deterministic"):
       raise ValueError(f"numerics mode must be 'fast' or 'deterministic', got {self.mode!r}")
-    if self.deterministic and not rljax.XLA_FLAGS_ACTIVE:
-      raise RuntimeError(
-          "deterministic numerics needs the XLA flags rljax installs on import "
-          f"({' '.join(rljax.REQUIRED_XLA_FLAGS)}), but the JAX backend was created "
-          "before rljax was imported. Import rljax first, or set XLA_FLAGS yourself.")
+    if self.deterministic:
+      install_deterministic_xla_flags()
 
   @property
   def deterministic(self) -> bool:

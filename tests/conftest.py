@@ -1,4 +1,9 @@
-import rljax  # noqa: F401  (installs the XLA flags before JAX starts)
+# The suite runs both numerics modes in this one process, so it takes the deterministic
+# XLA flags before JAX starts (fast-mode tests pay for them; entry points run in their own
+# processes with their config's mode, see test_numerics).
+from rljax.numerics import install_deterministic_xla_flags
+
+install_deterministic_xla_flags()
 
 import jax
 import pytest

@@ -10,7 +10,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import rljax  # noqa: E402,F401
+from rljax.numerics import install_deterministic_xla_flags  # noqa: E402
+
+install_deterministic_xla_flags()  # both modes run here
 
 import json  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402

@@ -7,8 +7,6 @@ Dr.GRPO (Liu et al. 2025): A_i = r_i - mean(r).
 RLOO (Ahmadian et al. 2024): A_i = r_i - 1/(G-1) sum_{j != i} r_j.
 """
 
-import rljax  # noqa: F401  (XLA flags before jax)
-
 import jax
 import numpy as np
 import pytest

@@ -68,7 +68,6 @@ def _assert_trees_bitwise(a, b):
 
 
 def test_async_save_keep_last_and_restore(tmp_path):
-  import rljax  # noqa: F401
   import jax
   from rljax.checkpoint import Checkpointer
   state = _state()
@@ -96,7 +95,6 @@ def test_async_save_keep_last_and_restore(tmp_path):
 
 
 def test_restarted_trainer_resumes_the_stream_exactly(tmp_path):
-  import rljax  # noqa: F401
   from rljax.checkpoint import Checkpointer
   from rljax.sync import Publisher, StreamError, Subscriber
   from tests.test_sync_stream import assert_same
@@ -147,7 +145,6 @@ def _worker(directory):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
   sys.path.insert(0, str(REPO))
-  import rljax  # noqa: F401
   import jax
   import numpy as np
   from rljax import sharding as sharding_lib

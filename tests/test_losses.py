@@ -16,7 +16,6 @@ segment sums. Tolerances: f32 vs f64, rtol 1e-5, atol 1e-5 times the largest ter
 import dataclasses
 import math
 
-import rljax  # noqa: F401  (XLA flags before jax)
 
 import chex
 import jax

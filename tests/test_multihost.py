@@ -203,7 +203,6 @@ def restore_worker(ckpt_dir: str, out: str) -> None:
   """One process, 8 devices: the checkpoint 2 processes x 4 devices wrote on fsdp 4 x
   expert 2, restored onto fsdp 2 x expert 4 over the devices in reverse order."""
   sys.path.insert(0, str(REPO))
-  import rljax  # noqa: F401
   import jax
   import numpy as np
   from rljax import sharding as sharding_lib

@@ -1,6 +1,11 @@
 """The deterministic primitives: accuracy, and invariance to the shapes around them."""
 
+import inspect
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import chex
 import jax
@@ -9,20 +14,64 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import rljax
+from rljax import numerics
 from rljax.numerics import Numerics, det_exp, det_log, tree_sum
 
 DET, FAST = Numerics("deterministic"), Numerics("fast")
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_xla_flags_installed_and_fma_contraction_off():
-  for flag in rljax.REQUIRED_XLA_FLAGS:
-    assert flag in os.environ["XLA_FLAGS"]
-  assert rljax.XLA_FLAGS_ACTIVE
+def _contracts_fma() -> bool:
+  """Whether XLA computes a*b+c in one rounding (an FMA) in this process."""
   rng = np.random.default_rng(0)
   a, b, c = (rng.standard_normal(4096).astype(np.float32) for _ in range(3))
   fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
-  np.testing.assert_array_equal(fused, (a * b).astype(np.float32) + c)  # two roundings
+  return not np.array_equal(fused, (a * b).astype(np.float32) + c)  # two roundings
+
+
+def test_this_process_has_the_deterministic_flags_and_no_fma_contraction():
+  assert numerics.deterministic_xla_flags_set()  # conftest installed them
+  assert not _contracts_fma()
+
+
+_PROBE = """
+import json, sys
+import jax
+import numpy as np
+from rljax import numerics
+""" + inspect.getsource(_contracts_fma) + """
+mode, compute_first = sys.argv[1], sys.argv[2] == "1"
+if compute_first:
+  jax.block_until_ready(jax.numpy.zeros(1) + 1)  # starts the backend
+try:
+  numerics.set_up_process(mode)
+  numerics.Numerics(mode)
+  error = None
+except RuntimeError as e:
+  error = str(e)
+print(json.dumps({"flags": numerics.deterministic_xla_flags_set(), "fma": _contracts_fma(),
+                  "error": error}))
+"""
+
+
+def _probe(mode: str, compute_first: bool = False) -> dict:
+  """A fresh process that sets itself up for `mode`, without this process's flags."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if f not in numerics.DETERMINISTIC_XLA_FLAGS]
+  env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+  out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(int(compute_first))], env=env,
+                       cwd=REPO, capture_output=True, text=True, check=True, timeout=80)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_fast_process_keeps_fma_and_a_deterministic_one_gets_its_flags_first():
+  with open("/proc/cpuinfo") as f:
+    assert " fma " in f.read()  # every CPU this suite runs on (AVX2 or AVX-512) has FMA
+  fast = _probe("fast")
+  assert fast == {"flags": False, "fma": True, "error": None}  # XLA's defaults
+  assert _probe("deterministic") == {"flags": True, "fma": False, "error": None}
+  late = _probe("deterministic", compute_first=True)  # too late to install: a clear error
+  assert not late["flags"] and "started without them" in late["error"]
 
 
 def test_det_exp_accuracy():

@@ -22,8 +22,6 @@ Tolerances (derivations in the asserts' helpers):
   combination of v) + 2^-7 * |ref| (the bf16 rounding of both outputs).
 """
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import functools
 
 import jax

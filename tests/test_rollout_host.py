@@ -2,8 +2,6 @@
 from a storage root (weights in, bitwise groups out, version stamps, revoked leases,
 run/done), and experiments/rollout_host.py as a real process on a file:// root."""
 
-import rljax  # noqa: F401  (XLA flags first)
-
 import json
 import pathlib
 import subprocess

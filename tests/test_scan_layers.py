@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax.model import config as config_lib
 from rljax.model import ModelConfig, PagedKV, forward, init_params
 from rljax.model.packing import pack
 from rljax.model.params import cast, layer_params, param_specs, scale_matrices
@@ -138,7 +139,20 @@ def test_forward_refuses_an_unresolved_config(tiny_cfg):
 def test_resolved_makes_todays_choices(backend, numerics, attention, experts):
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
   assert (cfg.decode_attention, cfg.engine_experts) == (attention, experts)
-  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", engine_experts="ragged")
+  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", engine_experts="ragged",
+                     dtype="float32")
   assert kept.resolved(backend, numerics) == kept
   with pytest.raises(ValueError, match="backend"):
     cfg.resolved("metal", numerics)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_is_bf16_but_f32_for_fast_mode_on_a_cpu_without_bf16_dots(
+    monkeypatch, native_bf16):
+  monkeypatch.setattr(config_lib, "cpu_has_native_bf16", lambda: native_bf16)
+  fast_cpu = "bfloat16" if native_bf16 else "float32"
+  for backend, mode, want in [("cpu", "fast", fast_cpu), ("cpu", "deterministic", "bfloat16"),
+                              ("gpu", "fast", "bfloat16"), ("tpu", "fast", "bfloat16")]:
+    assert ModelConfig(**TINY).resolved(backend, mode).dtype == want, (backend, mode)
+  with pytest.raises(ValueError, match="resolve"):
+    ModelConfig(**TINY).compute_dtype  # pylint: disable=expression-not-assigned

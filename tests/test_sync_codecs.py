@@ -1,6 +1,5 @@
 """Codecs of the weight stream: lossless bit for bit on every kind of change."""
 
-import rljax  # noqa: F401
 
 from hypothesis import given, settings, strategies as st
 import ml_dtypes

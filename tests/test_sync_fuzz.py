@@ -6,8 +6,6 @@ a version the publisher wrote. Subscribers move on at the next good version; a f
 falls back to the newest intact version; a restarted publisher sets corrupt manifests
 aside."""
 
-import rljax  # noqa: F401
-
 import dataclasses
 import json
 

@@ -75,7 +75,6 @@ def test_two_processes_write_only_their_shards(tmp_path):
   written = [set(r["keys"]) for r in results]
   assert not written[0] & written[1]
 
-  import rljax  # noqa: F401
   from rljax.sync import Subscriber
   from rljax.sync import manifest as fmt
   import numpy as np
@@ -135,7 +134,6 @@ def worker_single8(root):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
   sys.path.insert(0, str(REPO))
-  import rljax  # noqa: F401
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -187,7 +185,6 @@ def worker_single8(root):
 
 def worker_process(root, port, process_id):
   sys.path.insert(0, str(REPO))
-  import rljax  # noqa: F401
   import jax
   jax.config.update("jax_num_cpu_devices", 4)
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)

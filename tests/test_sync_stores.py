@@ -1,8 +1,6 @@
 """The weight stream on real remote stores: GCS (a fake-gcs-server started here, on
 127.0.0.1) and read-only HTTP (a local static server over a file stream)."""
 
-import rljax  # noqa: F401
-
 import functools
 import http.server
 import threading

@@ -2,8 +2,6 @@
 garbage collection, faults (corrupt, truncated, missing objects, a diverged subscriber, a
 publisher killed mid-version, a reader racing the writer) and resuming after a restart."""
 
-import rljax  # noqa: F401
-
 import json
 import os
 import pathlib
@@ -227,7 +225,6 @@ def test_diverged_weights_are_rolled_back_and_rejoined():
 _KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import rljax
     from rljax.sync import Publisher, Store
     from tests.test_sync_stream import history
 

@@ -1,8 +1,6 @@
 """The prompt-group work queue: grants, admission limit, lease expiry (deadline, dead
 heartbeat, host restart), trainer restart from storage, bitwise results, accounting."""
 
-import rljax  # noqa: F401
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

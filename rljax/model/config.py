@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+
+_AUTO_FIELDS = ("decode_attention", "engine_experts", "dtype")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+  """Whether this host's CPU has bf16 dot instructions (x86 AVX512_BF16 or AMX-BF16)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = f.read()
+  except OSError:
+    return False
+  return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +57,11 @@ class ModelConfig:
   # `ragged_dot`); "auto" = "dense" on CPU (XLA:CPU expands `ragged_dot` densely anyway),
   # "ragged" elsewhere. Training and deterministic mode ignore it.
   engine_experts: str = "auto"
-  dtype: str = "bfloat16"  # activations and matmul operands
+  # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
+  # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
+  # faster (bf16 dots are emulated; measured in experiments/bench_numerics.py).
+  # Deterministic mode resolves "auto" to bf16: its bitwise guarantee is for bf16 dots.
+  dtype: str = "auto"
   param_dtype: str = "bfloat16"
   remat: bool = False  # rematerialise each layer in the backward pass
   # one lax.scan per run of same-kind layers (`layer_runs`); False unrolls the layers
@@ -93,11 +111,14 @@ class ModelConfig:
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
     if self.engine_experts == "auto":
       choices["engine_experts"] = "dense" if platform == "cpu" else "ragged"
+    if self.dtype == "auto":
+      emulated_bf16 = platform == "cpu" and not cpu_has_native_bf16()
+      choices["dtype"] = "float32" if mode == "fast" and emulated_bf16 else "bfloat16"
     return dataclasses.replace(self, **choices)
 
   def check_resolved(self) -> None:
     """Raises unless every backend choice is concrete (see `resolved`)."""
-    auto = [f for f in ("decode_attention", "engine_experts") if getattr(self, f) == "auto"]
+    auto = [f for f in _AUTO_FIELDS if getattr(self, f) == "auto"]
     if auto:
       raise ValueError(f"ModelConfig.{'/'.join(auto)} is 'auto': resolve the config once "
                        "with cfg.resolved(jax.default_backend(), numerics) before calling "
@@ -138,6 +159,8 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
+    if self.dtype == "auto":
+      self.check_resolved()
     return jnp.dtype(self.dtype)
 
   @property
