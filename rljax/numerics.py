@@ -63,10 +63,7 @@ def set_up_process(mode: str) -> None:
   """First thing in an entry point's main, with the run's numerics mode: a deterministic
   run installs its XLA flags before anything starts JAX's backend; a fast one keeps XLA's
   defaults (the platform's best settings)."""
-  if mode not in ("fast", "deterministic"):
-    raise ValueError(f"numerics mode must be 'fast' or 'deterministic', got {mode!r}")
-  if mode == "deterministic":
-    install_deterministic_xla_flags()
+  Numerics(mode)  # checks the mode; a deterministic one installs the flags
 
 
 def _backend_started() -> bool:
@@ -96,8 +93,8 @@ def install_deterministic_xla_flags() -> None:
         "Make Numerics('deterministic') or call "
         "rljax.numerics.install_deterministic_xla_flags() before the first JAX "
         "computation, or put the flags in XLA_FLAGS.")
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if f.split("=")[0] not in {d.split("=")[0] for d in DETERMINISTIC_XLA_FLAGS}]
+  names = {d.split("=")[0] for d in DETERMINISTIC_XLA_FLAGS}  # other values of them go
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
   os.environ["XLA_FLAGS"] = " ".join(flags + list(DETERMINISTIC_XLA_FLAGS))
 
 
