@@ -292,26 +292,6 @@ def test_top_p_one_never_truncates_even_when_the_rounded_mass_passes_one():
   chex.assert_trees_all_equal(behaviour, want)
 
 
-def test_dense_experts_match_the_ragged_path():
-  # The engine's fast MoE on CPU computes every expert densely (XLA:CPU expands
-  # ragged_dot that way anyway); it must give the ragged (sorted) path's outputs.
-  from rljax.model import moe  # pylint: disable=g-import-not-at-top
-  fast = Numerics("fast")
-  rng = np.random.default_rng(0)
-  t, d, e, f, k = 40, 64, 8, 32, 2
-  x = jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16)
-  gate, up = (jnp.asarray(rng.normal(size=(d, e, f)) * 0.2, jnp.bfloat16) for _ in range(2))
-  down = jnp.asarray(rng.normal(size=(e, f, d)) * 0.2, jnp.bfloat16)
-  ids = jnp.asarray(np.stack([rng.choice(e + 2, k, replace=False) for _ in range(t)]), jnp.int32)
-  for offset in (0, 2):  # an expert-parallel shard: ids outside [offset, offset + e) are zero
-    ragged, dense = (jax.jit(lambda *a, dense=dense: moe.experts_local(
-        *a, offset, fast, dense=dense))(x, ids, gate, up, down) for dense in (False, True))
-    # bf16 outputs of f32 sums in different orders: one bf16 rounding apart (2^-8 rel,
-    # rtol ~2.5 ulps); atol for outputs near zero (terms ~0.2 * |x| each, cancelling)
-    np.testing.assert_allclose(np.asarray(dense, np.float32), np.asarray(ragged, np.float32),
-                               atol=2e-2, rtol=1e-2)
-
-
 @pytest.mark.parametrize("numerics", [DET, Numerics("fast")])
 def test_all_greedy_batches_skip_the_draw_but_not_the_result(numerics):
   # An all-greedy batch takes the no-draw branch; a greedy slot beside a sampled one takes

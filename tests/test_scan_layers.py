@@ -132,15 +132,19 @@ def test_forward_refuses_an_unresolved_config(tiny_cfg):
     forward(params, tokens, tokens, cfg=raw)
 
 
-@pytest.mark.parametrize("backend,numerics,attention,experts", [
-    ("cpu", "fast", "reference", "dense"), ("cpu", "deterministic", "reference", "dense"),
-    ("gpu", "fast", "pallas", "ragged"), ("cuda", "deterministic", "reference", "ragged"),
-    ("tpu", "fast", "reference", "ragged")])
-def test_resolved_makes_todays_choices(backend, numerics, attention, experts):
+@pytest.mark.parametrize("backend,numerics,attention,train_experts,engine_experts", [
+    ("cpu", "fast", "reference", "tiled", "dense"),
+    ("cpu", "deterministic", "reference", "tiled", "dense"),
+    ("gpu", "fast", "pallas", "ragged", "ragged"),
+    ("cuda", "deterministic", "reference", "ragged", "ragged"),
+    ("tpu", "fast", "reference", "ragged", "ragged")])
+def test_resolved_makes_todays_choices(backend, numerics, attention, train_experts,
+                                       engine_experts):
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
-  assert (cfg.decode_attention, cfg.engine_experts) == (attention, experts)
-  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", engine_experts="ragged",
-                     dtype="float32")
+  assert (cfg.decode_attention, cfg.train_experts, cfg.engine_experts) == (
+      attention, train_experts, engine_experts)
+  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="dense",
+                     engine_experts="ragged", dtype="float32")
   assert kept.resolved(backend, numerics) == kept
   with pytest.raises(ValueError, match="backend"):
     cfg.resolved("metal", numerics)

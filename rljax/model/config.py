@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-_AUTO_FIELDS = ("decode_attention", "engine_experts", "dtype")
+_AUTO_FIELDS = ("decode_attention", "train_experts", "engine_experts", "dtype")
+_EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,11 +53,16 @@ class ModelConfig:
   # One-token decode steps over paged KV: "reference" (jnp), "pallas", "pallas_interpret"
   # (CPU tests); "auto" = "pallas" on GPU in fast mode, "reference" otherwise.
   decode_attention: str = "auto"
-  # Fast-mode experts when forward is given a KV cache (the engine's prefill and decode):
-  # "dense" (every expert for every token, no sort/scatter) or "ragged" (sorted
-  # `ragged_dot`); "auto" = "dense" on CPU (XLA:CPU expands `ragged_dot` densely anyway),
-  # "ragged" elsewhere. Training and deterministic mode ignore it.
+  # Fast-mode expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped
+  # GEMM on GPU/TPU), "tiled" (only the routed experts, in fixed tiles of
+  # `expert_row_tile` rows, one batched dot) or "dense" (every expert for every token).
+  # XLA:CPU expands `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for
+  # the training forward (thousands of tokens) and "dense" for the engine's forward (a
+  # KV cache: prefill and decode steps of a few tokens per slot); "ragged" elsewhere.
+  # Deterministic mode has its own path and ignores both.
+  train_experts: str = "auto"
   engine_experts: str = "auto"
+  expert_row_tile: int = 128
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
   # faster (bf16 dots are emulated; measured in experiments/bench_numerics.py).
@@ -77,8 +83,12 @@ class ModelConfig:
       raise ValueError(f"mlp_only_layers {self.mlp_only_layers} out of range")
     if self.decode_attention not in ("auto", "reference", "pallas", "pallas_interpret"):
       raise ValueError(f"unknown decode_attention {self.decode_attention!r}")
-    if self.engine_experts not in ("auto", "dense", "ragged"):
-      raise ValueError(f"unknown engine_experts {self.engine_experts!r}")
+    for name in ("train_experts", "engine_experts"):
+      if getattr(self, name) not in _EXPERT_PATHS:
+        raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
+                         f"{_EXPERT_PATHS}")
+    if self.expert_row_tile < 1:
+      raise ValueError(f"expert_row_tile must be >= 1, got {self.expert_row_tile}")
     if self.dense_layers() and self.intermediate_size <= 0:
       raise ValueError("dense layers need intermediate_size > 0")
 
@@ -109,6 +119,8 @@ class ModelConfig:
       # deterministic mode keeps the reference: the kernel's exp and reductions are not
       # the training forward's
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
+    if self.train_experts == "auto":
+      choices["train_experts"] = "tiled" if platform == "cpu" else "ragged"
     if self.engine_experts == "auto":
       choices["engine_experts"] = "dense" if platform == "cpu" else "ragged"
     if self.dtype == "auto":

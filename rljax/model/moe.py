@@ -1,8 +1,13 @@
 """Dropless mixture-of-experts: routing, expert compute and a fixed-order combine.
 
-No capacity, no drops: a token's output depends only on the token. Two expert paths:
+No capacity, no drops: a token's output depends only on the token. Expert paths:
 
-* fast: slots sorted by expert and `lax.ragged_dot` (a grouped GEMM on GPU/TPU).
+* fast, "ragged": slots sorted by expert and `lax.ragged_dot` (a grouped GEMM on GPU/TPU).
+* fast, "tiled": slots sorted by expert into fixed tiles of `row_tile` rows, one expert per
+  tile, one batched dot over the tiles: the routed FLOPs plus under one tile per expert
+  (XLA:CPU expands `ragged_dot` into masked dense dots over every expert instead).
+* fast, "dense": every expert for every token, each slot's output picked out; the cheapest
+  for a few tokens (one engine decode step).
 * deterministic: every local expert is applied to every token with plain 2-D bf16 dots
   (one per expert for the down projection) whose per-row numerics do not depend on the
   row count, then each token's chosen experts are picked out. Costs num_experts / top_k times the expert FLOPs; a grouped
@@ -53,23 +58,28 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
   return ids, weights
 
 
+PATHS = ("dense", "ragged", "tiled")
+
+
 def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, expert_offset: jax.Array | int,
-                  numerics: Numerics, dense: bool = False) -> jax.Array:
+                  numerics: Numerics, path: str = "ragged", row_tile: int = 128) -> jax.Array:
   """Outputs of the local experts [offset, offset + E_local) for each slot.
 
   x [T, D]; ids [T, k] global expert ids; gate/up [D, E_local, F]; down [E_local, F, D].
-  Returns [T, k, D] in x's dtype, zero for slots whose expert is not local.
-  `dense` (fast mode): every local expert for every token, then each slot's picked out;
-  XLA:CPU expands `ragged_dot` into masked dense dots anyway, so there the dense form is
-  the same FLOPs without the sort, the masks and the scatter (half the MoE block's time at
-  32 and at 512 tokens on the tiny config).
+  Returns [T, k, D] in x's dtype, zero for slots whose expert is not local. `path` (one
+  of `PATHS`, see the module doc) is fast mode's; deterministic mode has its own.
   """
+  if path not in PATHS:
+    raise ValueError(f"unknown expert path {path!r}; expected one of {PATHS}")
   t, d = x.shape
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  if dense or numerics.deterministic:  # every local expert for every token, slots picked
+  if path == "tiled" and not numerics.deterministic:
+    y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
+                       row_tile)
+  elif path == "dense" or numerics.deterministic:  # every local expert, slots picked
     g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
     u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
     hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
@@ -99,6 +109,54 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
 
 
+def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
+  """Where each slot goes when slots are grouped by expert into tiles of `row_tile` rows.
+
+  slot_expert [S] int in [0, num_experts]; `num_experts` marks a slot computed elsewhere.
+  Slots are sorted by expert (stable: slot order within an expert), and each expert's rows
+  start on a tile boundary, so every tile belongs to one expert. Returns
+  (src [N * row_tile]: the slot in each tile row, S for padding;
+   dest [S]: each slot's row, N * row_tile for slots computed elsewhere;
+   tile_expert [N]: each tile's expert), with N = ceil(S / row_tile) + num_experts tiles,
+  enough for any routing (each expert wastes less than one tile).
+  """
+  s = slot_expert.shape[0]
+  n_tiles = -(-s // row_tile) + num_experts
+  order = jnp.argsort(slot_expert, stable=True)
+  sorted_expert = slot_expert[order]
+  sizes = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  tiles = -(-sizes // row_tile)
+  tile_end = jnp.cumsum(tiles)
+  first_tile = tile_end - tiles
+  first_sorted = jnp.cumsum(sizes) - sizes
+  e = jnp.minimum(sorted_expert, num_experts - 1)
+  row = first_tile[e] * row_tile + jnp.arange(s, dtype=jnp.int32) - first_sorted[e]
+  row = jnp.where(sorted_expert < num_experts, row, n_tiles * row_tile)
+  dest = jnp.zeros((s,), jnp.int32).at[order].set(row)
+  src = jnp.full((n_tiles * row_tile,), s, jnp.int32).at[row].set(order.astype(jnp.int32),
+                                                                  mode="drop")
+  tile_expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right")
+  return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
+
+
+def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile):
+  """Routed experts only. slot_expert [T, k]: local expert of each slot, E_local for none.
+  Slots grouped by expert into tiles (`tile_plan`); one (row_tile x D) @ (D x F) product
+  per tile with its expert's weights. f32 operands holding the compute dtype's values
+  (XLA:CPU has no bf16 batched dot thunk; bf16 products are exact in f32). -> [T, k, D]."""
+  t, d = x.shape
+  k = slot_expert.shape[1]
+  src, dest, tile_expert = tile_plan(slot_expert.reshape(-1), gate.shape[1], row_tile)
+  as_f32 = lambda w: w.astype(x.dtype).astype(jnp.float32)  # noqa: E731
+  xs = x.at[src // k].get(mode="fill", fill_value=0).astype(jnp.float32)
+  xs = xs.reshape(-1, row_tile, d)
+  g = jnp.einsum("nrd,ndf->nrf", xs, as_f32(gate.transpose(1, 0, 2))[tile_expert])
+  u = jnp.einsum("nrd,ndf->nrf", xs, as_f32(up.transpose(1, 0, 2))[tile_expert])
+  hidden = silu(g.astype(x.dtype), numerics).astype(x.dtype) * u.astype(x.dtype)
+  ys = jnp.einsum("nrf,nfd->nrd", hidden.astype(jnp.float32), as_f32(down)[tile_expert])
+  return ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0).astype(x.dtype).reshape(t, k, d)
+
+
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
   """sum_k weights[:, k] * y[:, k] in order k = 0, 1, ... (f32), returned in y's dtype."""
   w = weights.astype(y.dtype).astype(jnp.float32)  # HF casts routing weights to the model dtype
@@ -110,23 +168,23 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
 
 def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
               numerics: Numerics, sharding: sharding_lib.Sharding | None = None,
-              replay: jax.Array | None = None, dense_experts: bool = False):
-  """x [T, D] -> (y [T, D], expert ids [T, k]). `dense_experts`: see `experts_local`."""
+              replay: jax.Array | None = None, path: str = "ragged", row_tile: int = 128):
+  """x [T, D] -> (y [T, D], expert ids [T, k]). `path`, `row_tile`: see `experts_local`."""
   router = sharding_lib.constrain(sharding, params["router"], ("embed", "router"), gathered=True)
   ids, weights = route(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob,
                        numerics=numerics, replay=replay)
   if sharding is not None and sharding.axis_size("expert") > 1:
-    y = _experts_expert_parallel(x, ids, params, numerics, sharding, dense_experts)
+    y = _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile)
   else:
     gate, up, down = (sharding_lib.constrain(sharding, params[n], axes, gathered=True)
                       for n, axes in (("gate", ("embed", "expert", "mlp")),
                                       ("up", ("embed", "expert", "mlp")),
                                       ("down", ("expert", "mlp", "embed"))))
-    y = experts_local(x, ids, gate, up, down, 0, numerics, dense_experts)
+    y = experts_local(x, ids, gate, up, down, 0, numerics, path, row_tile)
   return combine(y, weights), ids
 
 
-def _experts_expert_parallel(x, ids, params, numerics, sharding, dense=False):
+def _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile):
   tokens = sharding.spec(("batch", None))
   slots = sharding.spec(("batch", None, None))
   w_in = sharding.spec(("embed", "expert", "mlp"), gathered=True)
@@ -143,7 +201,7 @@ def _experts_expert_parallel(x, ids, params, numerics, sharding, dense=False):
     ids_group = lax.all_gather(ids_l, "expert")
     t_l, k = ids_l.shape
     y = experts_local(x_group.reshape(n * t_l, -1), ids_group.reshape(n * t_l, k),
-                      gate_l, up_l, down_l, me * e_local, numerics, dense)
+                      gate_l, up_l, down_l, me * e_local, numerics, path, row_tile)
     # y[i] are this device's outputs for device i's tokens; send them home
     y_home = lax.all_to_all(y.reshape(n, t_l, k, -1), "expert", 0, 0)  # [n (source), T_l, k, D]
     owner = ids_l // e_local  # which device computed each slot

@@ -136,7 +136,8 @@ def _layer(p, x, cos, sin, layer_kv, replay, ctx):
                            norm_topk_prob=cfg.norm_topk_prob, numerics=ctx["numerics"],
                            sharding=sharding,
                            replay=None if replay is None else replay.reshape(b * t, -1),
-                           dense_experts=layer_kv is not None and cfg.engine_experts == "dense")
+                           path=cfg.train_experts if layer_kv is None else cfg.engine_experts,
+                           row_tile=cfg.expert_row_tile)
     y, ids = y.reshape(b, t, d), ids.reshape(b, t, -1)
   else:
     y = _mlp_block(p["mlp"], h, ctx)

@@ -99,7 +99,11 @@ class Run:
     return self.config.engine.max_seq_len
 
   def batch_shape(self, num_seqs: int) -> dict[str, int]:
-    row_len = self.config.train.row_len
+    """Packed rows for num_seqs sequences. `train.row_len` 0: one longest sequence per row
+    (page-aligned). Rows are sized for the longest sequences, so longer rows hold no fewer
+    tokens in all; they only widen every row's attention (cost ~ row_len^2)."""
+    row_len = (self.config.train.row_len
+               or aligned_length(self.max_seq_len, self.cfg.page_size))
     return dict(row_len=row_len, num_seqs=num_seqs, page_size=self.cfg.page_size,
                 num_rows=rows_for(num_seqs, self.max_seq_len, row_len, self.cfg.page_size))
 
