@@ -264,10 +264,15 @@ def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
   trains on a subset: the batch's own reward_mean is biased towards 0.5)."""
   outcomes = [t.outcome for t in sampled]
   valid = [t.reward for t in sampled if t.outcome != Outcome.INFRA_FAILURE]
+  lps = [t.behaviour_logprobs[t.loss_mask] for t in sampled]
+  lps = np.concatenate(lps) if lps else np.zeros(0, np.float32)
   return {"success_frac": outcomes.count(Outcome.SUCCESS) / max(len(sampled), 1),
           "rollout_reward_mean": float(np.mean(valid)) if valid else 0.0,
           "infra_failures": outcomes.count(Outcome.INFRA_FAILURE),
-          "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in sampled]))}
+          "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in sampled])),
+          # -log pi of the sampled tokens: the sampling policy's per-token entropy in
+          # expectation (at the sampling temperature); it falls as the policy collapses
+          "sampled_nll_mean": float(-np.mean(lps)) if lps.size else 0.0}
 
 
 def has_signal(trajs: Sequence[Trajectory]) -> bool:

@@ -1,0 +1,196 @@
+"""The GRPO recipe study: held-out pass@1 against steps, per setting, SFT start and seed.
+
+  python experiments/study_recipe.py --out=/tmp/study --starts=0.25,0.7 --seeds=0,1,2 \
+      --settings=v1,trl,v2 --steps=500 --parallel=2
+
+Every run is `experiments/grpo.py` (the lockstep loop) on configs/arith_tiny.py with one
+setting's overrides. A start is an SFT warm start stopped at greedy pass@1 >= the start's
+target on the train probe tasks (probed every 10 steps); it is made once per (start, seed)
+by that pair's first run and loaded by the others, so every setting starts from the same
+weights. Held-out evaluation every `--eval_every` steps. Runs already finished under
+`--out` (their summary.json exists) are not rerun, so an interrupted study resumes.
+`--parallel=2` runs two at a time, each pinned to its own core.
+
+Per run: held-out greedy pass@1 at each evaluation, the first step reaching each level,
+the largest fall from the run's best (a collapse shows here), and the sampled tokens' mean
+-log pi at the start and end (the sampling entropy; it falls as the policy collapses).
+The last line is one JSON object; `<out>/table.md` has the tables.
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", None, "study directory (runs resume from here)", required=True)
+_STARTS = flags.DEFINE_list("starts", ["0.25", "0.7"], "SFT starts: target greedy pass@1")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds")
+_SETTINGS = flags.DEFINE_list("settings", ["v1", "trl", "v2"], "settings (see SETTINGS)")
+_STEPS = flags.DEFINE_integer("steps", 500, "GRPO steps per run")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "held-out evaluation every N steps")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "runs at once (each pinned to one core)")
+
+LEVELS = (0.5, 0.7, 0.8, 0.9)
+
+# Each setting is a set of config overrides on configs/arith_tiny.py, spelled out in full so
+# that a change of the config's defaults does not change what a setting means.
+SETTINGS = {
+    # arith_tiny's GRPO recipe before this study
+    "v1": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 0.05,
+           "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True},
+    # TRL GRPOTrainer's defaults as measured against it: lr 1e-4 constant, clip 0.2
+    "trl": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0,
+            "rl.loss.clip_high": 0.2, "rl.loss.tis": False, "rl.router_replay": False},
+    # trl's step size and schedule with v1's clip-higher, TIS and router replay
+    "v2": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0,
+           "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True},
+}
+
+
+@dataclasses.dataclass
+class Job:
+  setting: str
+  start: str
+  seed: str
+  steps: int
+  eval_every: int
+  out: str
+
+  @property
+  def workdir(self) -> str:
+    return os.path.join(self.out, f"start{self.start}_seed{self.seed}_{self.setting}")
+
+  def sft_dir(self, first_setting: str) -> str:
+    return os.path.join(self.out, f"start{self.start}_seed{self.seed}_{first_setting}",
+                        "sft_checkpoint")
+
+  def done(self) -> bool:
+    return os.path.exists(os.path.join(self.workdir, "summary.json"))
+
+  def command(self, first_setting: str) -> list[str]:
+    over = {"seed": self.seed, "rl.steps": self.steps, "eval.every": self.eval_every,
+            "sft.target_pass1": self.start, "sft.probe_every": 10, "sft.slow_down_at": 1.0,
+            "log.tensorboard": False} | SETTINGS[self.setting]
+    if self.setting != first_setting:
+      over["sft.load"] = self.sft_dir(first_setting)
+    return ([sys.executable, "experiments/grpo.py", "--config=configs/arith_tiny.py",
+             f"--workdir={self.workdir}", "--noprogress"]
+            + [f"--config.{k}={v}" for k, v in over.items()])
+
+
+def run_jobs(jobs: list[Job], first_setting: str, parallel: int) -> None:
+  """Runs the jobs not yet done, `parallel` at a time; a run that loads an SFT start waits
+  for the run that makes it."""
+  pending = [j for j in jobs if not j.done()]
+  running: dict[int, tuple[subprocess.Popen, Job]] = {}
+  while pending or running:
+    for core, (proc, job) in list(running.items()):
+      if proc.poll() is None:
+        continue
+      del running[core]
+      if proc.returncode:
+        raise RuntimeError(f"{job.workdir}: exit {proc.returncode}; see its run.log")
+      with open(os.path.join(job.workdir, "stdout.txt"), encoding="utf-8") as f:
+        summary = f.read().strip().splitlines()[-1]
+      with open(os.path.join(job.workdir, "summary.json"), "w", encoding="utf-8") as f:
+        f.write(summary + "\n")
+      print(f"finished {os.path.basename(job.workdir)}", file=sys.stderr, flush=True)
+    for core in [c for c in range(parallel) if c not in running]:
+      ready = [j for j in pending if j.setting == first_setting
+               or os.path.exists(os.path.join(os.path.dirname(j.sft_dir(first_setting)),
+                                              "summary.json"))]
+      if not ready:
+        break
+      job = ready[0]
+      pending.remove(job)
+      os.makedirs(job.workdir, exist_ok=True)
+      pin = (lambda c=core: os.sched_setaffinity(0, {c})) if parallel > 1 else None
+      with open(os.path.join(job.workdir, "stdout.txt"), "w", encoding="utf-8") as out, \
+           open(os.path.join(job.workdir, "run.log"), "w", encoding="utf-8") as log:
+        running[core] = (subprocess.Popen(job.command(first_setting), stdout=out, stderr=log,
+                                          preexec_fn=pin), job)
+      print(f"started {os.path.basename(job.workdir)}" + (f" on core {core}" if pin else ""),
+            file=sys.stderr, flush=True)
+    time.sleep(2.0)
+
+
+def read_run(job: Job) -> dict:
+  records = [json.loads(line) for line in open(os.path.join(job.workdir, "metrics.jsonl"))]
+  evals = {}
+  for r in records:
+    if r["phase"] == "eval":
+      evals[r["step"]] = r["pass1"]  # step 0: init, then "before" (after SFT) overwrites
+  curve = sorted(evals.items())
+  grpo = [r for r in records if r["phase"] == "grpo"]
+  best, fall = 0.0, 0.0
+  for _, p in curve:
+    best = max(best, p)
+    fall = max(fall, best - p)
+  nll = [r["sampled_nll_mean"] for r in grpo]
+  return {"setting": job.setting, "start": job.start, "seed": job.seed,
+          "curve": curve, "reach": {str(level): next((s for s, p in curve if p >= level), None)
+                                    for level in LEVELS},
+          "max_fall_from_best": round(fall, 4), "final_pass1": curve[-1][1],
+          "sampled_nll_first10": round(statistics.mean(nll[:10]), 4),
+          "sampled_nll_last10": round(statistics.mean(nll[-10:]), 4),
+          "summary": json.load(open(os.path.join(job.workdir, "summary.json")))}
+
+
+def tables(runs: list[dict], settings: list[str], starts: list[str]) -> str:
+  """Markdown: per start, mean held-out pass@1 (min..max over seeds) at each evaluation,
+  and the mean first step reaching each level."""
+  out = []
+  for start in starts:
+    rs = [r for r in runs if r["start"] == start]
+    steps = sorted({s for r in rs for s, _ in r["curve"]})
+    out.append(f"\n### SFT start {start}: held-out greedy pass@1 (mean over seeds, min..max)\n")
+    out.append("| step | " + " | ".join(settings) + " |")
+    out.append("|---" * (len(settings) + 1) + "|")
+    for step in steps:
+      cells = []
+      for s in settings:
+        ps = [dict(r["curve"]).get(step) for r in rs if r["setting"] == s]
+        ps = [p for p in ps if p is not None]
+        cells.append(f"{statistics.mean(ps):.3f} ({min(ps):.2f}..{max(ps):.2f})" if ps else "")
+      out.append(f"| {step} | " + " | ".join(cells) + " |")
+    out.append("\n| setting | " + " | ".join(f"steps to {lv} (per seed)" for lv in LEVELS)
+               + " | largest fall from best | sampled -log pi first/last 10 steps |")
+    out.append("|---" * (len(LEVELS) + 3) + "|")
+    for s in settings:
+      mine = [r for r in rs if r["setting"] == s]
+      reach = [", ".join(str(r["reach"][str(lv)]) for r in mine) for lv in LEVELS]
+      fall = ", ".join(f"{r['max_fall_from_best']:.2f}" for r in mine)
+      nll = ", ".join(f"{r['sampled_nll_first10']:.2f}/{r['sampled_nll_last10']:.2f}"
+                      for r in mine)
+      out.append(f"| {s} | " + " | ".join(reach) + f" | {fall} | {nll} |")
+  return "\n".join(out) + "\n"
+
+
+def main(_):
+  unknown = set(_SETTINGS.value) - set(SETTINGS)
+  if unknown:
+    raise app.UsageError(f"unknown settings {sorted(unknown)}; known: {sorted(SETTINGS)}")
+  os.makedirs(_OUT.value, exist_ok=True)
+  first = _SETTINGS.value[0]
+  jobs = [Job(setting, start, seed, _STEPS.value, _EVAL_EVERY.value, _OUT.value)
+          for start in _STARTS.value for seed in _SEEDS.value for setting in _SETTINGS.value]
+  t0 = time.perf_counter()
+  run_jobs(jobs, first, _PARALLEL.value)
+  runs = [read_run(j) for j in jobs]
+  md = tables(runs, _SETTINGS.value, _STARTS.value)
+  with open(os.path.join(_OUT.value, "table.md"), "w", encoding="utf-8") as f:
+    f.write(md)
+  print(md, file=sys.stderr)
+  print(json.dumps({"study": "recipe", "config": "configs/arith_tiny.py", "steps": _STEPS.value,
+                    "settings": {s: SETTINGS[s] for s in _SETTINGS.value},
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}))
+
+
+if __name__ == "__main__":
+  app.run(main)
