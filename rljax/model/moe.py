@@ -26,7 +26,6 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from rljax import sharding as sharding_lib
 from rljax.numerics import Numerics, det_exp
