@@ -44,7 +44,6 @@ import numpy as np
 from configs import arith_tiny
 from experiments import machine_info
 from rljax import numerics
-from rljax.envs.tokenizer import CharTokenizer
 from rljax.model import count_params
 from rljax.model.hf_import import hf_config_kwargs, load_hf_params
 from rljax.pipeline import core
@@ -68,23 +67,6 @@ def rljax_config(total_steps):
   config.sft.steps = 0
   config.log.tensorboard = False
   return config
-
-
-def hf_tokenizer(vocab_size):
-  """rljax's CharTokenizer as a PreTrainedTokenizerFast: the same ids (BPE without merges =
-  one token per char, special tokens as added tokens, BOS prepended, decode concatenates);
-  model ids past the char vocabulary are unused special tokens."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  char = CharTokenizer()
-  unused = [f"<unused{i}>" for i in range(vocab_size - char.vocab_size)]
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(
-      {t: i for i, t in enumerate(char.tokens + tuple(unused))}, merges=[]))
-  tok.add_special_tokens([t for t in char.tokens + tuple(unused) if t.startswith("<")])
-  tok.decoder = tokenizers.decoders.Fuse()
-  return transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token=char.tokens[char.bos_id], eos_token=char.tokens[char.eos_id],
-      pad_token=char.tokens[char.pad_id], add_bos_token=True)
 
 
 def hf_model(cfg, char):
@@ -139,7 +121,7 @@ def main(_):
     raise AssertionError("rljax and HF models differ in size")
 
   # ---- TRL: the same prompts (checked id for id), the env's verifier as reward
-  tokenizer = hf_tokenizer(run.cfg.vocab_size)
+  tokenizer = char.to_hf(run.cfg.vocab_size)
   for t in tasks:
     if tokenizer(t.task_id)["input_ids"] != t.prompt_ids.tolist():
       raise AssertionError(f"HF tokenizer ids differ from the env's for {t.task_id!r}")

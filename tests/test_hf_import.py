@@ -1,6 +1,8 @@
-"""The Hugging Face Qwen3-MoE importer: logits parity with transformers' Qwen3MoeForCausalLM
-for both expert layouts, and clear errors for checkpoints that do not match."""
+"""The Hugging Face Qwen3-MoE importer and exporter: logits parity with transformers'
+Qwen3MoeForCausalLM for both expert layouts, clear errors for checkpoints that do not match,
+and exports that re-import bit for bit and that transformers loads with the same logits."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -12,12 +14,15 @@ import pytest
 import torch
 import transformers
 
+import chex
 import jax  # (rljax, imported by conftest, installs the XLA flags first)
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rljax.model import forward
-from rljax.model.hf_import import config_from_hf, hf_config_kwargs, load_hf_checkpoint
+from rljax.model.hf_export import export_hf, hf_tensors
+from rljax.model.hf_import import (config_from_hf, hf_config_kwargs, load_hf_checkpoint,
+                                   load_hf_params)
 from rljax.numerics import Numerics
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -277,3 +282,58 @@ def test_hf_config_kwargs_round_trips():
   hf = transformers.Qwen3MoeConfig(**hf_config_kwargs(cfg))
   back = config_from_hf(hf.to_dict(), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   assert back == cfg
+
+
+def _word_tokenizer(out_dir):
+  """A small tokenizer directory written by transformers (what an export carries along)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"0123456789+="])}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                       eos_token="<eos>").save_pretrained(out_dir)
+  return out_dir
+
+
+def test_export_round_trips_bitwise_and_transformers_reloads_it(reference, tmp_path):
+  cfg, params = load_hf_checkpoint(str(reference["dirs"]["save_pretrained"]), dtype="float32")
+  # our own weights (not the file's): every tensor moved, so a copied input would fail
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(lambda x: x + rng.normal(0, 0.01, x.shape).astype(np.float32), params)
+  out = tmp_path / "export"
+  # 40 KB shards: the tiny model's 0.36 MB spread over several files and an index
+  written = export_hf(params, cfg, str(out), max_shard_bytes=40_000,
+                      tokenizer_dir=str(_word_tokenizer(tmp_path / "tok")),
+                      config_extra={"eos_token_id": 1, "pad_token_id": 0})
+  shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+  index = json.loads((out / "model.safetensors.index.json").read_text())
+  assert len(shards) > 3 and sorted(set(index["weight_map"].values())) == shards
+  assert index["metadata"]["total_size"] == sum(t.nbytes for t in hf_tensors(params, cfg).values())
+  assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(written)
+  chex.assert_trees_all_equal(load_hf_params(str(out), cfg, "float32"), params)
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  model.config._experts_implementation = "eager"
+  assert transformers.AutoTokenizer.from_pretrained(str(out))("12+3")["input_ids"] == [4, 5, 13, 6]
+  with torch.no_grad():
+    hf_logits = model.eval()(input_ids=torch.from_numpy(reference["tokens"]).long(),
+                             position_ids=torch.from_numpy(reference["positions"]).long()
+                             ).logits.numpy()
+  f32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
+  logits, _ = _jitted_forward(f32, Numerics("fast"))(params, reference["tokens"],
+                                                      reference["positions"])
+  diff = np.abs(np.asarray(logits) - hf_logits).max()
+  print(f"export: max |logits - transformers(export) logits| = {diff:.3g}")
+  assert diff <= ATOL, diff  # ATOL: see its comment (a mapping error moves logits >= 8e-4)
+
+
+def test_bf16_export_round_trips_bitwise_and_refuses_to_overwrite(reference, tmp_path):
+  cfg, params = load_hf_checkpoint(str(reference["dirs"]["save_pretrained"]), dtype="bfloat16")
+  out = tmp_path / "bf16"
+  assert export_hf(params, cfg, str(out)) == ["model.safetensors", "config.json"]
+  assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+  chex.assert_trees_all_equal(load_hf_params(str(out), cfg, "bfloat16"), params)
+  with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+    export_hf(params, cfg, str(out))
+  with pytest.raises(ValueError, match="structure"):
+    export_hf({"embed": params["embed"]}, cfg, str(tmp_path / "partial"))

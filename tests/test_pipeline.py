@@ -208,25 +208,66 @@ def _grpo(workdir, *overrides):
   return json.loads(proc.stdout.strip().splitlines()[-1], parse_constant=strict)
 
 
-def test_grpo_experiment_end_to_end_and_deterministic_mode_has_zero_mismatch(tmp_path):
-  fast = _grpo(tmp_path / "fast")
+@pytest.fixture(scope="module")
+def fast_run(tmp_path_factory):
+  """A short lockstep run in fast mode: (workdir, its summary)."""
+  workdir = tmp_path_factory.mktemp("lockstep") / "fast"
+  return workdir, _grpo(workdir)
+
+
+def test_grpo_experiment_end_to_end(fast_run):
+  workdir, fast = fast_run
   for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass4_after", "steps",
               "wall_s", "mismatch_max_abs"):
     assert key in fast, key
   assert fast["steps"] == 3 and fast["numerics"] == "fast"
-  for f in ("metrics.jsonl", "reward_curve.png", "sft_checkpoint"):
-    assert (tmp_path / "fast" / f).exists(), f
-  records = read_jsonl(str(tmp_path / "fast" / "metrics.jsonl"))
+  for f in ("metrics.jsonl", "reward_curve.png", "sft_checkpoint", "final_params"):
+    assert (workdir / f).exists(), f
+  assert fast["final_params"] == str(workdir / "final_params")
+  records = read_jsonl(str(workdir / "metrics.jsonl"))
   assert [r["step"] for r in records if r["phase"] == "grpo"] == [1, 2, 3]
   assert [r["step"] for r in records if r["phase"] == "eval"] == [0, 0, 2, 3]
   probes = [r["step"] for r in records if r["phase"] == "sft_probe"]
   assert probes == [10, 20, 30][:len(probes)] and fast["sft_steps"] == probes[-1]
-  assert os.listdir(tmp_path / "fast" / "tb")
-  # the SFT checkpoint warm-starts a deterministic run: trainer == engine, bit for bit
-  det = _grpo(tmp_path / "det", f"--config.sft.load={tmp_path / 'fast' / 'sft_checkpoint'}",
+  assert os.listdir(workdir / "tb")
+
+
+def test_the_sft_checkpoint_warm_starts_a_deterministic_run_with_zero_mismatch(fast_run,
+                                                                               tmp_path):
+  det = _grpo(tmp_path / "det", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}",
               "--config.numerics=deterministic")
-  assert det["mismatch_max_abs"] == 0.0
+  assert det["mismatch_max_abs"] == 0.0  # trainer == engine, bit for bit
   assert det["steps"] == 3 and "sft_loaded_from" in det
+  # a finished run's workdir is not run into again
+  cmd = [sys.executable, str(ROOT / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'det'}",
+         "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "final_params exists (a finished run's)" in proc.stderr
+
+
+def test_the_trained_weights_export_to_transformers(fast_run, tmp_path):
+  import torch  # pylint: disable=g-import-not-at-top  (test extras)
+  import transformers  # pylint: disable=g-import-not-at-top
+  from rljax.model.hf_import import load_hf_checkpoint  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "hf"
+  cmd = [sys.executable, str(ROOT / "experiments" / "export_hf.py"),
+         f"--params={fast_run[1]['final_params']}", f"--out={out}", "--dtype=float32"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  env = ArithmeticEnv(min_digits=3, max_digits=3, ops=("+",))
+  task = env.prompts("held_out", 1, 0)[0]
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tok(task.task_id)["input_ids"] == task.prompt_ids.tolist()
+  cfg, params = load_hf_checkpoint(str(out), dtype="float32")  # bitwise: test_hf_import
+  cfg = cfg.resolved("cpu", "fast")
+  tokens = np.asarray([task.prompt_ids.tolist() + [3] * 4], np.int32)
+  positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+  ours = np.asarray(forward(params, tokens, positions, cfg=cfg, numerics=Numerics("fast")).logits)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+  with torch.no_grad():
+    theirs = model.eval()(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+  # f32 on both sides: summation order only (test_hf_import: ~1e-5 measured, 1e-4 bound)
+  assert np.abs(ours - theirs).max() <= 1e-4
 
 
 def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypatch):

@@ -88,6 +88,21 @@ class CharTokenizer:
   def token_to_id(self, token: str) -> int | None:
     return self._ids.get(token)
 
+  def to_hf(self, vocab_size: int | None = None):
+    """This tokenizer as a `transformers.PreTrainedTokenizerFast` with the same ids (BPE
+    without merges = one token per char, special tokens as added tokens, BOS prepended as
+    the envs' prompts have it, decode concatenates); ids from `self.vocab_size` up to the
+    model's `vocab_size` are unused special tokens. Needs `transformers` (test extras)."""
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    unused = tuple(f"<unused{i}>" for i in range((vocab_size or self.vocab_size) - self.vocab_size))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(
+        {t: i for i, t in enumerate(self.tokens + unused)}, merges=[]))
+    tok.add_special_tokens([t for t in self.tokens + unused if t.startswith("<")])
+    tok.decoder = tokenizers.decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, add_bos_token=True)
+
 
 class HFTokenizer:
   """Adapter: a Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` interface.

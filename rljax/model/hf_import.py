@@ -194,18 +194,21 @@ class _Reader:
 
 @dataclasses.dataclass
 class _Recipe:
-  """One of our params: which HF tensors (with their HF shapes) and how to combine them."""
+  """One of our params: which HF tensors (with their HF shapes), how to combine them, and
+  (`split`, the exact inverse, for export) how to take ours apart into them."""
   keys: list[str]
   shapes: list[tuple[int, ...]]
   build: Callable[[list[np.ndarray]], np.ndarray]
+  split: Callable[[np.ndarray], list[np.ndarray]] | None = None
 
 
-def _linear(key, out_dim, in_dim):  # torch Linear [out, in] -> ours [in, out]
-  return _Recipe([key], [(out_dim, in_dim)], lambda ts: ts[0].T)
+def _linear(key, out_dim, in_dim):  # torch Linear [out, in] <-> ours [in, out]
+  return _Recipe([key], [(out_dim, in_dim)], lambda ts: ts[0].T, lambda x: [x.T])
 
 
-def _vector(key, n):
-  return _Recipe([key], [(n,)], lambda ts: ts[0])
+def _vector(key, shape):  # kept as is (a vector, or the embedding table)
+  shape = (shape,) if isinstance(shape, int) else shape
+  return _Recipe([key], [shape], lambda ts: ts[0], lambda x: [x])
 
 
 def _moe_recipes(cfg: ModelConfig, pre: str, keys: set[str]) -> dict[str, _Recipe]:
@@ -221,8 +224,10 @@ def _moe_recipes(cfg: ModelConfig, pre: str, keys: set[str]) -> dict[str, _Recip
     out["down"] = _Recipe([fused_down], [(e, d, f)], lambda ts: ts[0].transpose(0, 2, 1))
   else:
     def per_expert(proj, shape, perm):
+      inverse = tuple(int(i) for i in np.argsort(perm))
       return _Recipe([f"{pre}.mlp.experts.{j}.{proj}_proj.weight" for j in range(e)], [shape] * e,
-                     lambda ts: np.stack(ts).transpose(perm))
+                     lambda ts: np.stack(ts).transpose(perm),
+                     lambda x: list(x.transpose(inverse)))
     out["gate"] = per_expert("gate", (f, d), (2, 0, 1))  # [E, F, D] -> [D, E, F]
     out["up"] = per_expert("up", (f, d), (2, 0, 1))
     out["down"] = per_expert("down", (d, f), (0, 2, 1))  # [E, D, F] -> [E, F, D]
@@ -233,8 +238,7 @@ def _recipes(cfg: ModelConfig, keys: set[str]) -> dict[str, Any]:
   """The param tree with a _Recipe at each leaf."""
   d, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
   h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-  tree: dict[str, Any] = {"embed": {"embedding": _Recipe(["model.embed_tokens.weight"], [(v, d)],
-                                                          lambda ts: ts[0])}}
+  tree: dict[str, Any] = {"embed": {"embedding": _vector("model.embed_tokens.weight", (v, d))}}
   layers = {}
   for i in range(cfg.num_hidden_layers):
     pre = f"model.layers.{i}"
@@ -273,8 +277,11 @@ def _stack_recipes(entries: list[_Recipe]) -> _Recipe:
   def build(ts):
     return np.stack([r.build(ts[a:b]) for r, a, b in zip(entries, starts[:-1], starts[1:])])
 
+  def split(x):
+    return [t for r, layer in zip(entries, x) for t in r.split(layer)]
+
   return _Recipe([k for r in entries for k in r.keys], [s for r in entries for s in r.shapes],
-                 build)
+                 build, split)
 
 
 def _is_recipe(x):

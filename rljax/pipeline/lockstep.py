@@ -80,14 +80,19 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   t0 = time.perf_counter()
   bar = progress or (lambda it, **_: iter(it))
   sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
+  final_dir = os.path.join(os.path.abspath(workdir), "final_params")
   built = build(config, LOCKSTEP)
   core.check_sft_dir(config, sft_dir)
+  if os.path.exists(final_dir):
+    raise FileExistsError(f"{final_dir} exists (a finished run's): use a fresh workdir")
   run = core.setup(built, workdir)
   evals = [core.run_eval(run, 0, "init")]
   extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
   evals.append(core.run_eval(run, 0, "before"))
   extra |= grpo(run, functools.partial(bar, desc="grpo"))
   evals.append(core.run_eval(run, run.version, "after"))
+  core.save_params(run, final_dir)  # experiments/export_hf.py --params=final_dir
+  extra["final_params"] = final_dir
   summary = core.summarize(run, evals, time.perf_counter() - t0, extra)
   run.log.write("summary", run.version, {k: v for k, v in summary.items()
                                          if isinstance(v, (int, float))})
