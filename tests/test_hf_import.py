@@ -6,7 +6,10 @@ import dataclasses
 import functools
 import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 # test extras (pyproject [test]): plain imports, so a missing one fails the run instead of
@@ -198,9 +201,70 @@ def test_missing_and_unexpected_tensors_raise(reference, tmp_path):
   def reshape(t):
     t["model.norm.weight"] = np.ones((65,), np.float32)
   wrong = _rewrite(src, tmp_path / "wrong_shape", reshape)
-  with pytest.raises(ValueError,
-                     match=r"model\.norm\.weight: checkpoint \(65,\), expected \(64,\)"):
+  with pytest.raises(ValueError, match=r"1 tensors .* model\.norm\.weight in model\.safetensors: "
+                     r"\(65,\), the config \(hidden_size 64.*expects \(64,\)"):
     load_hf_checkpoint(wrong)
+
+
+def test_bad_checkpoint_directories_fail_naming_the_file(reference, tmp_path):
+  src = reference["dirs"]["save_pretrained"]
+  cfg, params = load_hf_checkpoint(str(src), dtype="float32")
+  sharded = tmp_path / "sharded"
+  export_hf(params, cfg, str(sharded), max_shard_bytes=100_000)
+  index = json.loads((sharded / "model.safetensors.index.json").read_text())
+  gone = sorted(set(index["weight_map"].values()))[1]
+  shutil.copytree(sharded, tmp_path / "missing")
+  os.remove(tmp_path / "missing" / gone)
+  with pytest.raises(FileNotFoundError, match=f"{gone} is listed in .*index.json but missing"):
+    load_hf_checkpoint(str(tmp_path / "missing"))
+  shutil.copytree(sharded, tmp_path / "adapter")
+  save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  with pytest.raises(ValueError, match="adapter_model.safetensors is a PEFT adapter"):
+    load_hf_checkpoint(str(tmp_path / "adapter"))
+  key = next(iter(index["weight_map"]))
+  index["weight_map"][key] = gone if index["weight_map"][key] != gone else "other.safetensors"
+  shutil.copytree(sharded, tmp_path / "misfiled")
+  (tmp_path / "misfiled" / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="does not match its files: 1 tensors"):
+    load_hf_checkpoint(str(tmp_path / "misfiled"))
+  # a stray file that is not the model's is not read: the index (or model.safetensors) rules
+  save_file({"x": np.zeros(2, np.float32)}, str(sharded / "optimizer.safetensors"))
+  chex.assert_trees_all_equal(load_hf_checkpoint(str(sharded), dtype="float32")[1], params)
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "save_pretrained_fused"])
+def test_every_slice_of_a_param_reads_as_the_slice_of_the_whole(reference, layout):
+  # what each device's callback asks for when the params load sharded: only its slice
+  from rljax.model import hf_import  # pylint: disable=g-import-not-at-top
+  path = str(reference["dirs"][layout])
+  cfg, whole = load_hf_checkpoint(path, dtype="float32")
+  reader = hf_import._Reader(path)  # pylint: disable=protected-access
+  recipes = hf_import._recipes(cfg, set(reader.where))  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  for recipe, x in zip(jax.tree.leaves(recipes, is_leaf=hf_import._is_recipe),  # pylint: disable=protected-access
+                       jax.tree.leaves(whole)):
+    for _ in range(3):
+      index = []
+      for n in x.shape:
+        a = int(rng.integers(0, n))
+        index.append(slice(a, int(rng.integers(a + 1, n + 1))))
+      index = tuple(index)
+      np.testing.assert_array_equal(recipe.read(reader.read, index), np.asarray(x)[index])
+
+
+def test_a_1gb_checkpoint_loads_onto_8_devices_without_a_whole_copy_in_memory(tmp_path):
+  """Each device's shard is read from the files straight into place: host memory peaks
+  less than twice the largest tensor above the baseline plus the shards themselves (on a
+  CPU the devices' memory is host memory)."""
+  worker = [sys.executable, str(pathlib.Path(__file__).parent / "hf_load_worker.py")]
+  for mode in ("write", "load"):
+    proc = subprocess.run(worker + [mode, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  print("sharded load of a 1.1 GB checkpoint:", out)
+  assert out["sharded_as_asked"] and out["equal_to_unsharded_load"]
+  assert out["peak_above_baseline_and_shards"] < 2 * out["largest_tensor"], out
 
 
 def test_bf16_checkpoint(reference, tmp_path):

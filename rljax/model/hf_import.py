@@ -145,18 +145,45 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   return ModelConfig.from_dict(fields)
 
 
+ADAPTER_FILES = ("adapter_model.safetensors",)  # PEFT adapters, not model weights
+
+
+def checkpoint_files(path: str) -> list[str]:
+  """The model's safetensors files: those `model.safetensors.index.json` lists, else
+  `model.safetensors`, else every `*.safetensors`. Raises naming a listed file that is
+  missing or a PEFT adapter file beside the weights."""
+  adapters = [n for n in ADAPTER_FILES if os.path.exists(os.path.join(path, n))]
+  if adapters:
+    raise ValueError(f"{os.path.join(path, adapters[0])} is a PEFT adapter, not model weights: "
+                     "merge it into the base checkpoint, or move it out of the directory")
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise ValueError(f"{index} has no weight_map")
+    files = [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
+    for fname in files:
+      if not os.path.exists(fname):
+        raise FileNotFoundError(f"{fname} is listed in {index} but missing")
+    return files
+  single = os.path.join(path, "model.safetensors")
+  files = [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {path}")
+  return files
+
+
 class _Reader:
-  """Key index over a checkpoint directory's safetensors files."""
+  """Key index over a checkpoint directory's safetensors files; reads slices of tensors
+  (only the bytes of the slice, for memory-mapped raw dtypes only the pages it touches)."""
 
   def __init__(self, path: str):
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-      raise FileNotFoundError(f"no *.safetensors files in {path}")
     self.where: dict[str, str] = {}
     self.dtype: dict[str, str] = {}
     self.shape: dict[str, tuple[int, ...]] = {}
     self._handles = {}
-    for fname in files:
+    for fname in checkpoint_files(path):
       handle = safe_open(fname, framework="numpy")
       self._handles[fname] = handle
       for key in handle.keys():
@@ -168,20 +195,22 @@ class _Reader:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
       with open(index) as f:
-        weight_map = json.load(f).get("weight_map", {})
-      listed, found = set(weight_map), set(self.where)
-      if listed != found:
-        raise ValueError(f"{index} does not match the safetensors files: listed but absent "
-                         f"{sorted(listed - found)}, present but unlisted {sorted(found - listed)}")
+        weight_map = json.load(f)["weight_map"]
+      wrong = sorted(k for k in set(weight_map) | set(self.where)
+                     if weight_map.get(k) != os.path.basename(self.where.get(k, "")))
+      if wrong:
+        raise ValueError(f"{index} does not match its files: {len(wrong)} tensors listed "
+                         f"elsewhere or absent, e.g. {wrong[0]!r}")
     self._raw: dict[str, tuple[np.ndarray, dict]] = {}
 
-  def read(self, key: str) -> np.ndarray:
+  def read(self, key: str, index: tuple = ()) -> np.ndarray:
+    """Tensor `key`, or its slice `index`."""
     dt = self.dtype[key]
     if dt not in _RAW_DTYPES:
-      return self._handles[self.where[key]].get_tensor(key)
+      return self._handles[self.where[key]].get_slice(key)[index or (slice(None),)]
     buf, header = self._raw_file(self.where[key])
     begin, end = header[key]["data_offsets"]
-    return buf[begin:end].view(_RAW_DTYPES[dt]).reshape(self.shape[key])
+    return np.array(buf[begin:end].view(_RAW_DTYPES[dt]).reshape(self.shape[key])[index])
 
   def _raw_file(self, fname: str):
     if fname not in self._raw:
@@ -192,23 +221,35 @@ class _Reader:
     return self._raw[fname]
 
 
+Index = tuple[slice, ...]
+Fetch = Callable[[str, tuple], np.ndarray]  # (HF tensor name, its index) -> that slice
+
+
+def _sub(s: slice, n: int, offset: int = 0) -> slice:
+  """slice `s` of an axis of length n, as a concrete slice shifted by `offset`."""
+  r = range(n)[s]
+  return slice(r.start + offset, r.stop + offset, r.step)
+
+
 @dataclasses.dataclass
 class _Recipe:
-  """One of our params: which HF tensors (with their HF shapes), how to combine them, and
-  (`split`, the exact inverse, for export) how to take ours apart into them."""
+  """One of our params: which HF tensors (with their HF shapes); `read(fetch, index)`, the
+  slice `index` of our param, fetching only the HF tensor slices it needs; and `split`,
+  the exact inverse, for export: our param taken apart into the HF tensors."""
   keys: list[str]
   shapes: list[tuple[int, ...]]
-  build: Callable[[list[np.ndarray]], np.ndarray]
+  read: Callable[[Fetch, Index], np.ndarray]
   split: Callable[[np.ndarray], list[np.ndarray]] | None = None
 
 
 def _linear(key, out_dim, in_dim):  # torch Linear [out, in] <-> ours [in, out]
-  return _Recipe([key], [(out_dim, in_dim)], lambda ts: ts[0].T, lambda x: [x.T])
+  return _Recipe([key], [(out_dim, in_dim)], lambda fetch, i: fetch(key, (i[1], i[0])).T,
+                 lambda x: [x.T])
 
 
 def _vector(key, shape):  # kept as is (a vector, or the embedding table)
   shape = (shape,) if isinstance(shape, int) else shape
-  return _Recipe([key], [shape], lambda ts: ts[0], lambda x: [x])
+  return _Recipe([key], [shape], lambda fetch, i: fetch(key, i), lambda x: [x])
 
 
 def _moe_recipes(cfg: ModelConfig, pre: str, keys: set[str]) -> dict[str, _Recipe]:
@@ -217,17 +258,27 @@ def _moe_recipes(cfg: ModelConfig, pre: str, keys: set[str]) -> dict[str, _Recip
   fused_gate_up, fused_down = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
   if fused_gate_up in keys or fused_down in keys:
     # [E, 2F, D]: rows [:F] are gate, [F:] up -> ours [D, E, F]
-    out["gate"] = _Recipe([fused_gate_up], [(e, 2 * f, d)],
-                          lambda ts: ts[0][:, :f].transpose(2, 0, 1))
-    out["up"] = _Recipe([fused_gate_up], [(e, 2 * f, d)],
-                        lambda ts: ts[0][:, f:].transpose(2, 0, 1))
-    out["down"] = _Recipe([fused_down], [(e, d, f)], lambda ts: ts[0].transpose(0, 2, 1))
+    def gate_up(offset):
+      return _Recipe([fused_gate_up], [(e, 2 * f, d)], lambda fetch, i: fetch(
+          fused_gate_up, (i[1], _sub(i[2], f, offset), i[0])).transpose(2, 0, 1))
+    out["gate"], out["up"] = gate_up(0), gate_up(f)
+    out["down"] = _Recipe([fused_down], [(e, d, f)], lambda fetch, i: fetch(
+        fused_down, (i[0], i[2], i[1])).transpose(0, 2, 1))
   else:
     def per_expert(proj, shape, perm):
+      # ours = stack(HF tensors over experts).transpose(perm): our axis a is the stack's
+      # axis perm[a]; the stack's axis 0 is the expert
+      names = [f"{pre}.mlp.experts.{j}.{proj}_proj.weight" for j in range(e)]
       inverse = tuple(int(i) for i in np.argsort(perm))
-      return _Recipe([f"{pre}.mlp.experts.{j}.{proj}_proj.weight" for j in range(e)], [shape] * e,
-                     lambda ts: np.stack(ts).transpose(perm),
-                     lambda x: list(x.transpose(inverse)))
+
+      def read(fetch, i):
+        stacked = [None] * len(perm)
+        for a, p in enumerate(perm):
+          stacked[p] = i[a]
+        return np.stack([fetch(names[j], tuple(stacked[1:])) for j in range(e)[stacked[0]]]
+                        ).transpose(perm)
+
+      return _Recipe(names, [shape] * e, read, lambda x: list(x.transpose(inverse)))
     out["gate"] = per_expert("gate", (f, d), (2, 0, 1))  # [E, F, D] -> [D, E, F]
     out["up"] = per_expert("up", (f, d), (2, 0, 1))
     out["down"] = per_expert("down", (d, f), (0, 2, 1))  # [E, D, F] -> [E, F, D]
@@ -270,28 +321,42 @@ def _recipes(cfg: ModelConfig, keys: set[str]) -> dict[str, Any]:
 
 
 def _stack_recipes(entries: list[_Recipe]) -> _Recipe:
-  """One recipe for a layer stack: every entry's tensors, each built, stacked in order."""
-  counts = [len(r.keys) for r in entries]
-  starts = np.cumsum([0, *counts])
-
-  def build(ts):
-    return np.stack([r.build(ts[a:b]) for r, a, b in zip(entries, starts[:-1], starts[1:])])
+  """One recipe for a layer stack [L, ...]: entry l is layer l's recipe."""
+  def read(fetch, i):
+    return np.stack([entries[l].read(fetch, i[1:]) for l in range(len(entries))[i[0]]])
 
   def split(x):
     return [t for r, layer in zip(entries, x) for t in r.split(layer)]
 
   return _Recipe([k for r in entries for k in r.keys], [s for r in entries for s in r.shapes],
-                 build, split)
+                 read, split)
 
 
 def _is_recipe(x):
   return isinstance(x, _Recipe)
 
 
-def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
-  """Params for `cfg` from the safetensors files in `path`, as jnp arrays of `dtype`
-  (default cfg.param_dtype). Raises ValueError listing every missing and every unexpected
-  tensor, or every shape mismatch, before reading any tensor data."""
+def _devices_by_index(sharding, shape) -> list[tuple[Index, list]]:
+  """This process's devices grouped by the slice of a `shape` array each holds."""
+  groups: dict[tuple, tuple[Index, list]] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    bounds = tuple(s.indices(n) for s, n in zip(index, shape))
+    groups.setdefault(bounds, (tuple(slice(*b) for b in bounds), []))[1].append(device)
+  return list(groups.values())
+
+
+def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = None,
+                   shardings: Any = None) -> dict[str, Any]:
+  """Params for `cfg` from the checkpoint in `path` (`checkpoint_files`), as arrays of
+  `dtype` (default cfg.param_dtype).
+
+  `shardings` (a tree of `jax.sharding.Sharding` like the params, e.g. `param_shardings`):
+  each device's shard is read straight from the files (only its slice of each tensor) and
+  placed, one distinct shard at a time; a process reads only what its own devices hold,
+  and no param is ever whole in host memory. Without it, whole arrays
+  on the default device. Raises ValueError on missing, unexpected or misshapen tensors,
+  before reading any tensor data.
+  """
   dtype = jnp.dtype(dtype or cfg.param_dtype)
   reader = _Reader(path)
   keys = set(reader.where)
@@ -309,30 +374,49 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = None) -> dict[str, 
         f"checkpoint {path} does not match the model config:\n"
         f"  missing tensors ({len(missing)}): {missing}\n"
         f"  unexpected tensors ({len(unexpected)}): {unexpected}")
-  bad = [f"{k}: checkpoint {reader.shape[k]}, expected {s}" for k, s in sorted(needed.items())
-         if reader.shape[k] != tuple(s)]
+  bad = [(k, s) for k, s in sorted(needed.items()) if reader.shape[k] != tuple(s)]
   if bad:
-    raise ValueError(f"checkpoint {path}: tensor shapes do not match the model config:\n  "
-                     + "\n  ".join(bad))
+    k, s = bad[0]
+    raise ValueError(f"{len(bad)} tensors of {path} do not have the model config's shapes, "
+                     f"e.g. {k} in {os.path.basename(reader.where[k])}: {reader.shape[k]}, the "
+                     f"config (hidden_size {cfg.hidden_size}, heads {cfg.num_attention_heads}x"
+                     f"{cfg.head_dim}, kv heads {cfg.num_key_value_heads}, experts "
+                     f"{cfg.num_experts}x{cfg.moe_intermediate_size}, vocab {cfg.vocab_size}) "
+                     f"expects {tuple(s)}")
   if tied_head and not np.array_equal(reader.read("lm_head.weight"),
                                       reader.read("model.embed_tokens.weight")):
     raise ValueError("tie_word_embeddings is set but lm_head.weight differs from "
                      "model.embed_tokens.weight")
 
-  def load(recipe: _Recipe) -> jax.Array:
-    x = recipe.build([reader.read(k) for k in recipe.keys])
-    return jnp.asarray(np.asarray(x).astype(dtype))
-
-  params = jax.tree.map(load, recipes, is_leaf=_is_recipe)
   specs = param_specs(cfg)
   is_spec = lambda s: isinstance(s, ParamSpec)  # noqa: E731
-  if jax.tree.structure(params) != jax.tree.structure(specs, is_leaf=is_spec):
+  if jax.tree.structure(recipes, is_leaf=_is_recipe) != jax.tree.structure(specs, is_leaf=is_spec):
     raise AssertionError("importer built a param tree that differs from param_specs")  # a bug here
-  for (path_, x), spec in zip(jax.tree_util.tree_leaves_with_path(params),
-                              jax.tree.leaves(specs, is_leaf=is_spec)):
-    if x.shape != spec.shape:
-      raise AssertionError(f"{jax.tree_util.keystr(path_)}: built {x.shape}, spec {spec.shape}")
-  return params
+
+  def read(recipe: _Recipe, spec: ParamSpec, index: Index) -> np.ndarray:
+    x = recipe.read(reader.read, index).astype(dtype)
+    want = tuple(len(range(n)[i]) for n, i in zip(spec.shape, index))
+    if x.shape != want:
+      raise AssertionError(f"built {x.shape} for {index} of {spec.shape}")  # a bug here
+    return x
+
+  def load(recipe: _Recipe, spec: ParamSpec, sharding=None) -> jax.Array:
+    if sharding is None:
+      return jnp.asarray(read(recipe, spec, (slice(None),) * len(spec.shape)))
+    # as jax.make_array_from_callback, but one distinct shard in host memory at a time
+    # (that function holds every device's array of the param before placing any) and
+    # each distinct shard read once, whatever the replication
+    placed = {}
+    for index, devices in _devices_by_index(sharding, spec.shape):
+      x = read(recipe, spec, index)
+      placed.update({d: jax.device_put(x, d) for d in devices})
+      del x
+    return jax.make_array_from_single_device_arrays(spec.shape, sharding,
+                                                    list(placed.values()))
+
+  if shardings is None:
+    return jax.tree.map(load, recipes, specs, is_leaf=_is_recipe)
+  return jax.tree.map(load, recipes, specs, shardings, is_leaf=_is_recipe)
 
 
 def load_hf_checkpoint(path: str, dtype: Any = "float32", **config_overrides):
