@@ -401,3 +401,32 @@ def test_bf16_export_round_trips_bitwise_and_refuses_to_overwrite(reference, tmp
     export_hf(params, cfg, str(out))
   with pytest.raises(ValueError, match="structure"):
     export_hf({"embed": params["embed"]}, cfg, str(tmp_path / "partial"))
+
+
+def test_init_from_an_hf_checkpoint_takes_its_architecture_and_weights(reference, tmp_path,
+                                                                       monkeypatch):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from configs import arith_tiny  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline import core  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline.run import LOCKSTEP, ConfigError, build  # pylint: disable=g-import-not-at-top
+  src = str(reference["dirs"]["save_pretrained"])
+  config = arith_tiny.get_config()
+  config.init_from = f"hf:{src}"
+  config.model = ml_collections.ConfigDict(dict(page_size=16, remat=False))  # backend only
+  config.log.tensorboard = False
+  monkeypatch.setattr(core, "init_sharded", lambda *a, **k: pytest.fail("random init ran"))
+  run = core.setup(build(config, LOCKSTEP), str(tmp_path / "run"), engine=False)
+  cfg, want = load_hf_checkpoint(src, dtype="float32")
+  assert run.cfg.hidden_size == cfg.hidden_size == 64 and run.cfg.rms_norm_eps == 1e-5
+  chex.assert_trees_all_equal(run.state.params, want)
+
+  config.model.hidden_size = 128
+  with pytest.raises(ConfigError, match=r"config.model.hidden_size=128 but .*config.json has 64"):
+    build(config, LOCKSTEP)
+  del config.model["hidden_size"]
+  config.init_from = src  # no scheme
+  with pytest.raises(ConfigError, match="expected 'hf:/path/to/checkpoint_dir'"):
+    build(config, LOCKSTEP)
+  config.init_from = f"hf:{tmp_path / 'nowhere'}"
+  with pytest.raises(ConfigError, match="nowhere/config.json"):
+    build(config, LOCKSTEP)

@@ -32,11 +32,12 @@ import optax
 from rljax.checkpoint import Checkpointer
 from rljax.engine.engine import DecodeEngine
 from rljax.envs.base import Env, Task
-from rljax.model import count_params, init_sharded
+from rljax.model import count_params, init_sharded, param_shardings
+from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
 from rljax.pipeline.metrics import MetricsLogger, NullLogger, RunningMax
-from rljax.pipeline.run import Built
+from rljax.pipeline.run import Built, init_from_hf
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
 from rljax.rl.batch import build_batch, split_microbatches
@@ -115,7 +116,12 @@ def setup(built: Built, workdir: str, *, engine: bool = True,
   `write_metrics=False`: records are made but not written (processes other than 0)."""
   config, cfg = built.config, built.cfg
   heldout = built.env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
-  params = init_sharded(cfg, config.seed, built.sharding, dtype=jnp.float32)
+  hf_dir = init_from_hf(config)
+  if hf_dir is None:
+    params = init_sharded(cfg, config.seed, built.sharding, dtype=jnp.float32)
+  else:  # each device's shard read from the files, no random init first
+    params = load_hf_params(hf_dir, cfg, jnp.float32, None if built.sharding is None
+                            else param_shardings(cfg, built.sharding))
   serve = jax.jit(lambda state: learner.serving_params(state, cfg))
   state = params_only(params)
   decode = built.make_engine(serve(state), sharding=built.sharding) if engine else None

@@ -10,7 +10,9 @@ files, never here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Any, Iterable
 
 import jax
@@ -22,11 +24,16 @@ from rljax import sharding as sharding_lib
 from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.envs.base import Env
 from rljax.model import ModelConfig
+from rljax.model.hf_import import config_from_hf
 from rljax.numerics import Numerics
 from rljax.rl import learner
 from rljax.rl.losses import LossConfig
 
-TOP_LEVEL = ("name", "seed", "numerics")
+TOP_LEVEL = ("name", "seed", "numerics", "init_from")
+# ModelConfig fields a config sets beside `init_from` (how to run the model, not what it
+# is); the checkpoint's config.json sets the rest
+BACKEND_FIELDS = ("page_size", "decode_attention", "train_experts", "engine_experts",
+                  "expert_row_tile", "dtype", "param_dtype", "remat", "scan_layers")
 # block -> the keys it must have (model: ModelConfig's own fields, checked by from_dict)
 BLOCKS: dict[str, tuple[str, ...]] = {
     "model": (),
@@ -84,6 +91,38 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
       LossConfig(**config.rl.loss.to_dict())
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config.rl.loss: {e}") from None
+
+
+def init_from_hf(config: ml_collections.ConfigDict) -> str | None:
+  """The HF checkpoint directory of `init_from = "hf:DIR"`; None for a random init ("")."""
+  init_from = config.get("init_from", "")
+  if not init_from:
+    return None
+  if not init_from.startswith("hf:") or len(init_from) == 3:
+    raise ConfigError(f"config.init_from {init_from!r}: expected 'hf:/path/to/checkpoint_dir' "
+                      "(or '' for a random init)")
+  return init_from[3:]
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """config.model, or with `init_from`: the checkpoint's config.json plus config.model's
+  backend fields (an architecture field there must agree with the checkpoint)."""
+  path = init_from_hf(config)
+  if path is None:
+    return ModelConfig.from_dict(config.model.to_dict())
+  with open(os.path.join(path, "config.json")) as f:
+    hf = config_from_hf(json.load(f))
+  given = config.model.to_dict() if "model" in config else {}
+  for key, value in given.items():
+    if key in BACKEND_FIELDS:
+      continue
+    theirs = getattr(hf, key, None)
+    if isinstance(theirs, tuple):
+      value = tuple(value)
+    if theirs != value:
+      raise ConfigError(f"config.model.{key}={value!r} but {path}/config.json has {theirs!r}: "
+                        "init_from sets the architecture; leave it out of config.model")
+  return dataclasses.replace(hf, **{k: v for k, v in given.items() if k in BACKEND_FIELDS})
 
 
 def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
@@ -151,10 +190,10 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
   validate(config, needs)
   needs = set(needs)
   try:
-    cfg = ModelConfig.from_dict(config.model.to_dict())
+    cfg = model_config(config)
     numerics = Numerics(config.numerics)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"config.model / config.numerics: {e}") from None
+  except (TypeError, ValueError, OSError) as e:
+    raise ConfigError(f"config.model / config.init_from / config.numerics: {e}") from None
   cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   env = None
