@@ -31,6 +31,9 @@ _ROOT = flags.DEFINE_string("root", None, "storage root URL (default file://<wor
 _HOSTS = flags.DEFINE_integer("hosts", None, "rollout-host processes to start here "
                               "(default config.async_rl.hosts; 0 = they run elsewhere)")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars on stderr")
+_RESUME = flags.DEFINE_bool("resume", False, "continue from the trainer's latest checkpoint "
+                            "in --workdir/--root (a restart after a crash or kill); without "
+                            "it an earlier run's checkpoint there is an error")
 
 
 def main(argv):
@@ -57,8 +60,9 @@ def main(argv):
       if _PROGRESS.value and primary else None
   hosts = []
   try:
-    summary = run_async(config, workdir, root, progress=bar, on_started=lambda: hosts.extend(
-        launch.start_hosts(root, n_hosts, workdir)))
+    summary = run_async(config, workdir, root, progress=bar, resume=_RESUME.value,
+                        on_started=lambda: hosts.extend(launch.start_hosts(root, n_hosts,
+                                                                           workdir)))
   except BaseException:
     for proc in hosts:
       proc.kill()

@@ -159,7 +159,9 @@ def test_kill_a_host_then_the_trainer_and_the_run_finishes(tmp_path):
     _wait_for(lambda: _updates_logged(workdir) >= 5, "5 updates", trainer)
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
-    trainer = _trainer(workdir, root, *overrides, hosts=0)
+    again = _trainer(workdir, root, *overrides, hosts=0)  # without --resume: refused
+    assert again.wait(timeout=300) != 0 and "pass --resume to continue it" in _stderr(again)
+    trainer = _trainer(workdir, root, *overrides, "--resume", hosts=0)
     summary = _finish(trainer)
     codes = [h.wait(timeout=120) for h in hosts]
   finally:

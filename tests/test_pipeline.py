@@ -243,6 +243,11 @@ def test_the_sft_checkpoint_warm_starts_a_deterministic_run_with_zero_mismatch(f
          "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "final_params exists (a finished run's)" in proc.stderr
+  (tmp_path / "killed").mkdir()  # a run killed before it finished left its metrics
+  (tmp_path / "killed" / "metrics.jsonl").write_text("")
+  cmd[2] = f"--workdir={tmp_path / 'killed'}"
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "cannot resume: use a fresh workdir" in proc.stderr
 
 
 def test_the_trained_weights_export_to_transformers(fast_run, tmp_path):

@@ -138,7 +138,7 @@ class AsyncTrainer:
   (`_take_batch`: staleness, dynamic-sampling ties), publishing, checkpoints and resume;
   the lineage, the version check and the batch broadcast are their own pieces."""
 
-  def __init__(self, built: Built, workdir: str, root: str):
+  def __init__(self, built: Built, workdir: str, root: str, *, resume: bool = False):
     config = built.config
     self.config, self.root = config, root
     self.a, self.rl = config.async_rl, config.rl
@@ -151,9 +151,14 @@ class AsyncTrainer:
             f"{jax.process_count()} trainer processes run SFT without probes only: set "
             "--config.sft.target_pass1=0, or --config.sft.load=DIR (an SFT checkpoint)")
     self.dir = trainer_dir(root, workdir)
+    self.ckpt = Checkpointer(f"{self.dir.rstrip('/')}/checkpoints", keep_last=2)
+    latest = self.ckpt.latest_step()
+    if latest is not None and not resume:  # before any model work
+      raise FileExistsError(
+          f"{self.dir} holds the checkpoints of an earlier run (update {latest}): pass "
+          "--resume to continue it, or use a fresh workdir and root")
     self.run = setup(built, workdir)
     self.store = Store.open(check_root(root))
-    self.ckpt = Checkpointer(f"{self.dir.rstrip('/')}/checkpoints", keep_last=2)
     self.lineage = Lineage(self.run.log.workdir)
     if self.multi:  # gloo (CPU) gives the first collective of a device set 30 s to gather
       distributed.broadcast_bytes(b"ready" if self.primary else None)  # everyone: now
@@ -183,7 +188,7 @@ class AsyncTrainer:
     `on_published` runs once weights are in the stream (before the "before" evaluation,
     so hosts starting up overlap it). Returns the evaluations run so far."""
     run, evals = self.run, []
-    if self.ckpt.latest_step() is not None:
+    if self.ckpt.latest_step() is not None:  # --resume (else __init__ refused)
       self._resume()
     else:
       evals.append(self.evaluate(0, "init"))
@@ -391,12 +396,14 @@ class AsyncTrainer:
 
 def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
               progress: Callable[..., Iterator] | None = None,
-              on_started: Callable[[], None] | None = None) -> dict:
+              on_started: Callable[[], None] | None = None, resume: bool = False) -> dict:
   """The whole async experiment's trainer side; hosts run elsewhere against `root`.
-  `on_started` runs once weights are published (e.g. to launch local hosts)."""
+  `on_started` runs once weights are published (e.g. to launch local hosts). `resume`:
+  continue from the trainer's latest checkpoint if there is one (without it, a checkpoint
+  of an earlier run is an error)."""
   t0 = time.perf_counter()
   bar = progress or (lambda it, **_: iter(it))
-  trainer = AsyncTrainer(build(config, ASYNC_TRAINER), workdir, root)
+  trainer = AsyncTrainer(build(config, ASYNC_TRAINER), workdir, root, resume=resume)
   evals = trainer.start(bar, on_started)
   rl_start = time.perf_counter()
   trainer.train(bar)

@@ -85,6 +85,12 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   core.check_sft_dir(config, sft_dir)
   if os.path.exists(final_dir):
     raise FileExistsError(f"{final_dir} exists (a finished run's): use a fresh workdir")
+  if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    raise FileExistsError(
+        f"{workdir} holds an earlier run (metrics.jsonl). The lockstep loop keeps no mid-run "
+        "checkpoints and cannot resume: use a fresh workdir (--config.sft.load="
+        f"{sft_dir} reuses its warm start), or experiments/pipeline.py --resume for a "
+        "resumable run")
   run = core.setup(built, workdir)
   evals = [core.run_eval(run, 0, "init")]
   extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
