@@ -139,6 +139,18 @@ def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version
   trained = [g for line in (run / "trained_groups.jsonl").read_text().splitlines()
              for g in json.loads(line)["groups"]]
   assert len(trained) == len(set(trained)) == 16
+  # the final train state exports to a checkpoint transformers loads (mapping and parity:
+  # test_hf_import.py); its last update's checkpoint is the one exported
+  out = tmp_path / "hf"
+  proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "export_hf.py"),
+                         f"--checkpoint={run / 'checkpoints'}", f"--out={out}", *SMALL],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+  import transformers  # pylint: disable=g-import-not-at-top  (test extras)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+  assert sum(p.numel() for p in model.parameters()) == json.loads(
+      proc.stdout.strip().splitlines()[-1])["params"]
 
 
 def test_kill_a_host_then_the_trainer_and_the_run_finishes(tmp_path):
