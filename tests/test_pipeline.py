@@ -405,3 +405,22 @@ def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_p
   empty.add(0.5, 0)
   assert empty.value is None and empty.tokens == 0
   assert json_line({"m": float("nan"), "n": None}) == '{"m": "NaN", "n": null}'
+
+
+def test_rollout_stats_estimate_the_sampling_entropy_over_policy_tokens_only():
+  from rljax.pipeline.core import rollout_stats  # pylint: disable=g-import-not-at-top
+  from rljax.rl.trajectory import FinishReason, Trajectory  # pylint: disable=g-import-not-at-top
+
+  def traj(lps, mask, reward, outcome=Outcome.SUCCESS):
+    n = len(lps)
+    return Trajectory(np.array([1], np.int32), np.arange(n, dtype=np.int32),
+                      np.asarray(mask), np.asarray(lps, np.float32),
+                      np.where(mask, 0, -1).astype(np.int32), None, FinishReason.EOS,
+                      reward=reward, outcome=outcome)
+
+  # an observation token (off the mask) has a behaviour log-prob of 0 and must not count
+  stats = rollout_stats([traj([-1.0, 0.0, -3.0], [True, False, True], 1.0),
+                         traj([-2.0], [True], 0.0, Outcome.MODEL_FAILURE)])
+  assert stats["sampled_nll_mean"] == pytest.approx(2.0)
+  assert stats["success_frac"] == 0.5 and stats["completion_tokens_mean"] == 1.5
+  assert rollout_stats([])["sampled_nll_mean"] == 0.0
