@@ -1,9 +1,10 @@
 """Runs in its own process (see test_hf_import.py): writes, or loads sharded, a synthetic
-~1 GB Hugging Face checkpoint, and reports host memory (resident anonymous memory, sampled every millisecond).
+~1 GB Hugging Face checkpoint, and reports host memory (resident anonymous memory, sampled
+every millisecond).
 
   hf_load_worker.py write DIR   a random f32 Qwen3-MoE (~1.1 GB) exported into DIR
   hf_load_worker.py load DIR    DIR loaded onto an 8-device mesh (expert 4 x fsdp 2):
-                                prints one JSON object with peak RSS above the baseline,
+                                prints one JSON object with peak memory above baseline,
                                 the bytes the loaded shards hold, the largest tensor, and
                                 whether the sharded params equal an unsharded load bitwise
 """

@@ -241,8 +241,8 @@ def test_every_slice_of_a_param_reads_as_the_slice_of_the_whole(reference, layou
   reader = hf_import._Reader(path)  # pylint: disable=protected-access
   recipes = hf_import._recipes(cfg, set(reader.where))  # pylint: disable=protected-access
   rng = np.random.default_rng(0)
-  for recipe, x in zip(jax.tree.leaves(recipes, is_leaf=hf_import._is_recipe),  # pylint: disable=protected-access
-                       jax.tree.leaves(whole)):
+  is_recipe = hf_import._is_recipe  # pylint: disable=protected-access
+  for recipe, x in zip(jax.tree.leaves(recipes, is_leaf=is_recipe), jax.tree.leaves(whole)):
     for _ in range(3):
       index = []
       for n in x.shape:

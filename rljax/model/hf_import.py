@@ -168,7 +168,8 @@ def checkpoint_files(path: str) -> list[str]:
         raise FileNotFoundError(f"{fname} is listed in {index} but missing")
     return files
   single = os.path.join(path, "model.safetensors")
-  files = [single] if os.path.exists(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  files = ([single] if os.path.exists(single)
+           else sorted(glob.glob(os.path.join(path, "*.safetensors"))))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {path}")
   return files

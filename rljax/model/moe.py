@@ -153,7 +153,8 @@ def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile):
   u = jnp.einsum("nrd,ndf->nrf", xs, as_f32(up.transpose(1, 0, 2))[tile_expert])
   hidden = silu(g.astype(x.dtype), numerics).astype(x.dtype) * u.astype(x.dtype)
   ys = jnp.einsum("nrf,nfd->nrd", hidden.astype(jnp.float32), as_f32(down)[tile_expert])
-  return ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0).astype(x.dtype).reshape(t, k, d)
+  y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
+  return y.astype(x.dtype).reshape(t, k, d)
 
 
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
