@@ -242,6 +242,7 @@ def _hf_initialised_tiny(tiny_cfg, tmp_path):
   return hf_import.load_hf_checkpoint(str(tmp_path), dtype="bfloat16",
                                       page_size=tiny_cfg.page_size,
                                       decode_attention=tiny_cfg.decode_attention,
+                                      train_experts=tiny_cfg.train_experts,
                                       engine_experts=tiny_cfg.engine_experts)
 
 
