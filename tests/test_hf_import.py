@@ -22,6 +22,7 @@ import jax  # (rljax, imported by conftest, installs the XLA flags first)
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from rljax.envs.tokenizer import CharTokenizer
 from rljax.model import forward
 from rljax.model.hf_export import export_hf, hf_tensors
 from rljax.model.hf_import import (config_from_hf, hf_config_kwargs, load_hf_checkpoint,
@@ -348,26 +349,17 @@ def test_hf_config_kwargs_round_trips():
   assert back == cfg
 
 
-def _word_tokenizer(out_dir):
-  """A small tokenizer directory written by transformers (what an export carries along)."""
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *"0123456789+="])}
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                       eos_token="<eos>").save_pretrained(out_dir)
-  return out_dir
-
-
 def test_export_round_trips_bitwise_and_transformers_reloads_it(reference, tmp_path):
   cfg, params = load_hf_checkpoint(str(reference["dirs"]["save_pretrained"]), dtype="float32")
   # our own weights (not the file's): every tensor moved, so a copied input would fail
   rng = np.random.default_rng(1)
   params = jax.tree.map(lambda x: x + rng.normal(0, 0.01, x.shape).astype(np.float32), params)
-  out = tmp_path / "export"
+  out, tokenizer_dir = tmp_path / "export", tmp_path / "tok"
+  char = CharTokenizer()
+  char.to_hf(cfg.vocab_size).save_pretrained(tokenizer_dir)  # a tokenizer directory
   # 40 KB shards: the tiny model's 0.36 MB spread over several files and an index
   written = export_hf(params, cfg, str(out), max_shard_bytes=40_000,
-                      tokenizer_dir=str(_word_tokenizer(tmp_path / "tok")),
+                      tokenizer_dir=str(tokenizer_dir),
                       config_extra={"eos_token_id": 1, "pad_token_id": 0})
   shards = sorted(p.name for p in out.glob("model-*.safetensors"))
   index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -378,7 +370,8 @@ def test_export_round_trips_bitwise_and_transformers_reloads_it(reference, tmp_p
 
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
   model.config._experts_implementation = "eager"
-  assert transformers.AutoTokenizer.from_pretrained(str(out))("12+3")["input_ids"] == [4, 5, 13, 6]
+  assert transformers.AutoTokenizer.from_pretrained(str(out))("12+3")["input_ids"] == [
+      char.bos_id, *char.encode("12+3")]
   with torch.no_grad():
     hf_logits = model.eval()(input_ids=torch.from_numpy(reference["tokens"]).long(),
                              position_ids=torch.from_numpy(reference["positions"]).long()

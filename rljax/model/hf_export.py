@@ -33,10 +33,10 @@ def hf_tensors(params: Mapping[str, Any], cfg: ModelConfig, dtype: Any = None) -
   """{HF tensor name: numpy array} for `params` (as `dtype`, default their own dtype)."""
   recipes = _recipes(cfg, set())  # no fused keys: the hub layout
   leaves = jax.tree.leaves(recipes, is_leaf=_is_recipe)
-  arrays = jax.tree.leaves(params)
-  if len(leaves) != len(arrays) or jax.tree.structure(params) != jax.tree.structure(
+  if jax.tree.structure(params) != jax.tree.structure(
       jax.tree.map(lambda _: 0, recipes, is_leaf=_is_recipe)):
     raise ValueError("params do not have the structure of this model config's params")
+  arrays = jax.tree.leaves(params)
   out = {}
   for recipe, x in zip(leaves, arrays):
     x = np.asarray(jax.device_get(x))
