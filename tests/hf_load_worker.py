@@ -79,9 +79,8 @@ def main(mode: str, directory: str):
   sharded_ok = all(x.sharding == s for x, s in zip(jax.tree.leaves(params),
                                                    jax.tree.leaves(shardings)))
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  largest = max(int(np.prod(safe_open(os.path.join(directory, "model.safetensors"), "numpy")
-                            .get_slice(k).get_shape())) * 4
-                for k in safe_open(os.path.join(directory, "model.safetensors"), "numpy").keys())
+  f = safe_open(os.path.join(directory, "model.safetensors"), "numpy")  # one file: < 5 GB
+  largest = max(int(np.prod(f.get_slice(k).get_shape())) * 4 for k in f.keys())  # f32
   _, whole = load_hf_checkpoint(directory, dtype="float32")
   equal = all(np.array_equal(np.asarray(a), np.asarray(b))
               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole)))
