@@ -34,6 +34,10 @@ _SETTINGS = flags.DEFINE_list("settings", ["v1", "trl", "v2"], "settings (see SE
 _STEPS = flags.DEFINE_integer("steps", 500, "GRPO steps per run")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "held-out evaluation every N steps")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "runs at once (each pinned to one core)")
+_WORKLOAD = flags.DEFINE_enum("workload", "arith_tiny", ["arith_tiny", "bench_step"],
+                              "arith_tiny: the config as it is; bench_step: bench_step's model "
+                              "and batch (every layer MoE, experts of width 64, 16 x 8 samples, "
+                              "5 new tokens)")
 
 LEVELS = (0.5, 0.7, 0.8, 0.9)
 
@@ -52,6 +56,15 @@ SETTINGS = {
 }
 
 
+# bench_step.py's workload as overrides of arith_tiny (the issue's collapse was measured
+# on it): 1.0M parameters, 16 prompts x 8 samples of at most 5 new tokens
+WORKLOADS = {
+    "arith_tiny": {},
+    "bench_step": {"model.mlp_only_layers": "()", "model.moe_intermediate_size": 64,
+                   "rl.group_size": 8, "rl.max_new_tokens": 5},
+}
+
+
 @dataclasses.dataclass
 class Job:
   setting: str
@@ -60,13 +73,15 @@ class Job:
   steps: int
   eval_every: int
   out: str
+  workload: str = "arith_tiny"
 
   @property
   def workdir(self) -> str:
-    return os.path.join(self.out, f"start{self.start}_seed{self.seed}_{self.setting}")
+    prefix = "" if self.workload == "arith_tiny" else f"{self.workload}_"
+    return os.path.join(self.out, f"{prefix}start{self.start}_seed{self.seed}_{self.setting}")
 
   def sft_dir(self, first_setting: str) -> str:
-    return os.path.join(self.out, f"start{self.start}_seed{self.seed}_{first_setting}",
+    return os.path.join(dataclasses.replace(self, setting=first_setting).workdir,
                         "sft_checkpoint")
 
   def done(self) -> bool:
@@ -75,7 +90,7 @@ class Job:
   def command(self, first_setting: str) -> list[str]:
     over = {"seed": self.seed, "rl.steps": self.steps, "eval.every": self.eval_every,
             "sft.target_pass1": self.start, "sft.probe_every": 10, "sft.slow_down_at": 1.0,
-            "log.tensorboard": False} | SETTINGS[self.setting]
+            "log.tensorboard": False} | WORKLOADS[self.workload] | SETTINGS[self.setting]
     if self.setting != first_setting:
       over["sft.load"] = self.sft_dir(first_setting)
     return ([sys.executable, "experiments/grpo.py", "--config=configs/arith_tiny.py",
@@ -177,7 +192,8 @@ def main(_):
     raise app.UsageError(f"unknown settings {sorted(unknown)}; known: {sorted(SETTINGS)}")
   os.makedirs(_OUT.value, exist_ok=True)
   first = _SETTINGS.value[0]
-  jobs = [Job(setting, start, seed, _STEPS.value, _EVAL_EVERY.value, _OUT.value)
+  jobs = [Job(setting, start, seed, _STEPS.value, _EVAL_EVERY.value, _OUT.value,
+              _WORKLOAD.value)
           for start in _STARTS.value for seed in _SEEDS.value for setting in _SETTINGS.value]
   t0 = time.perf_counter()
   run_jobs(jobs, first, _PARALLEL.value)
@@ -186,7 +202,9 @@ def main(_):
   with open(os.path.join(_OUT.value, "table.md"), "w", encoding="utf-8") as f:
     f.write(md)
   print(md, file=sys.stderr)
-  print(json.dumps({"study": "recipe", "config": "configs/arith_tiny.py", "steps": _STEPS.value,
+  print(json.dumps({"study": "recipe", "config": "configs/arith_tiny.py",
+                    "workload": {_WORKLOAD.value: WORKLOADS[_WORKLOAD.value]},
+                    "steps": _STEPS.value,
                     "settings": {s: SETTINGS[s] for s in _SETTINGS.value},
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}))

@@ -12,6 +12,10 @@ anything touches a device.
   (none of them, or --num_processes=1)   single process: nothing is called
 
 `--local_device_count=N` simulates N CPU devices per process (tests, laptops).
+`--distributed_timeout_s` (default 300) bounds the wait for the job to assemble: a process
+other than 0 first waits that long for the coordinator's port to accept a connection and
+fails with an error naming `--coordinator_address` if it never does; then JAX's own
+registration gets the same limit (past it, JAX aborts the process with DEADLINE_EXCEEDED).
 
 Helpers for the loops that run on several processes (rljax.pipeline.async_loop):
 `is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the trainer's
@@ -23,6 +27,8 @@ every process: the serving params for an engine that lives on one process).
 from __future__ import annotations
 
 import math
+import socket
+import time
 from typing import Any, Mapping
 
 from absl import app, flags, logging
@@ -38,15 +44,20 @@ _AUTO = flags.DEFINE_bool(
     "distributed", False, "jax.distributed.initialize() with JAX's cluster auto-detection")
 _LOCAL_DEVICES = flags.DEFINE_integer(
     "local_device_count", None, "CPU devices per process (jax_num_cpu_devices; simulation)")
+_TIMEOUT_S = flags.DEFINE_float(
+    "distributed_timeout_s", 300.0, "seconds to wait for the coordinator and for every "
+    "process to join before failing")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, auto: bool = False,
-               local_device_count: int | None = None) -> bool:
+               local_device_count: int | None = None, timeout_s: float = 300.0) -> bool:
   """Joins the multi-process job when asked to; returns whether it did.
 
   A no-op (False) when nothing is given or `num_processes == 1`. Arguments left None are
-  filled in by JAX from the environment (cluster auto-detection).
+  filled in by JAX from the environment (cluster auto-detection). A process other than 0
+  with an explicit coordinator address raises TimeoutError if the coordinator does not
+  accept a connection within `timeout_s`.
   """
   if local_device_count:
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
@@ -54,18 +65,42 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       num_processes is not None and num_processes > 1)
   if num_processes == 1 or not (explicit or auto):
     return False
+  if coordinator_address is not None and process_id not in (None, 0):
+    wait_for_coordinator(coordinator_address, timeout_s)
   jax.distributed.initialize(coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+                             process_id=process_id,
+                             initialization_timeout=max(1, math.ceil(timeout_s)))
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
 
 
+def wait_for_coordinator(address: str, timeout_s: float, retry_s: float = 0.5) -> None:
+  """Returns once HOST:PORT accepts a TCP connection; TimeoutError after `timeout_s`."""
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit():
+    raise ValueError(f"--coordinator_address must be HOST:PORT, not {address!r}")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)),
+                                    timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        return
+    except OSError as e:
+      if time.monotonic() + retry_s >= deadline:
+        raise TimeoutError(
+            f"--coordinator_address {address}: no coordinator answered within "
+            f"{timeout_s:g} s ({e}); is process 0 running, and its port reachable from "
+            "here? (--distributed_timeout_s sets the wait)") from None
+      time.sleep(retry_s)
+
+
 def initialize_from_flags() -> bool:
   """`initialize` with the absl flags above (call after absl parsed them, in `main`)."""
   return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                    auto=_AUTO.value, local_device_count=_LOCAL_DEVICES.value)
+                    auto=_AUTO.value, local_device_count=_LOCAL_DEVICES.value,
+                    timeout_s=_TIMEOUT_S.value)
 
 
 def require_one_process(why: str) -> None:

@@ -225,6 +225,18 @@ def test_single_process_is_a_noop():
   distributed.check_mesh({"data": 3})  # one process: any mesh of its devices
 
 
+def test_an_unreachable_coordinator_fails_within_the_timeout_naming_the_flag():
+  from rljax import distributed
+  with socket.socket() as s:  # a port nobody listens on: bound, never listening
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(TimeoutError, match=r"--coordinator_address 127\.0\.0\.1:\d+: no "
+                       r"coordinator answered within 2 s"):
+      distributed.initialize(address, num_processes=2, process_id=1, timeout_s=2.0)
+  with pytest.raises(ValueError, match="HOST:PORT"):
+    distributed.wait_for_coordinator("no-port", 1.0)
+
+
 def test_several_processes_need_a_mesh_of_every_device_and_a_shared_root(monkeypatch):
   import jax
   from rljax import distributed
