@@ -1,10 +1,12 @@
-"""Envs: tokenizers, deterministic disjoint splits, verifiers, the safe parser, guards,
-the multi-turn flow, injected latency."""
+"""Envs: tokenizers (char, HF tokenizers, a transformers directory with a chat template and
+two stop ids), deterministic disjoint splits, verifiers, the safe parser, guards, the
+multi-turn flow, injected latency, envs by import path."""
 
 import ast
 import pathlib
 import threading
 import time
+import types
 from fractions import Fraction
 
 from hypothesis import given, settings, strategies as st
@@ -12,10 +14,13 @@ import numpy as np
 import pytest
 
 from rljax import envs
+from rljax.engine.scheduler import SamplingParams
 from rljax.envs import expr
 from rljax.envs.base import BaseEnv
 from rljax.envs.tokenizer import (CALL_CLOSE_ID, CHARS, EOS_ID, SPECIAL_TOKENS,
-                                  CharTokenizer, HFTokenizer)
+                                  CharTokenizer, HFTokenizer, TransformersTokenizer,
+                                  train_byte_level_bpe)
+from rljax.pipeline import rollout as rollout_lib
 from rljax.rl.trajectory import Outcome
 
 TOK = CharTokenizer()
@@ -96,6 +101,72 @@ def test_hf_tokenizer_adapter(tmp_path):
       else:
         verdict = env.verify(task, target)
       assert verdict.outcome == Outcome.SUCCESS, (task.task_id, verdict)
+
+
+STOPS = ("<|im_end|>", "<|endoftext|>")
+TEXTS = [f"{a}+{b}={a + b} and {a}*{b}={a * b}? <calc>{a}*{b}</calc> Why?" for a in range(20)
+         for b in range(0, 200, 13)]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+  """A real byte-level BPE tokenizer directory (Qwen's chat tokens and template)."""
+  return train_byte_level_bpe(TEXTS, str(tmp_path_factory.mktemp("bpe")), vocab_size=400)
+
+
+def test_transformers_tokenizer(bpe_dir):
+  tok = TransformersTokenizer.from_dir(bpe_dir, stop_tokens=STOPS, chat_template=True)
+  im_start, im_end, endoftext = (tok.token_to_id(t) for t in ("<|im_start|>", *STOPS))
+  assert tok.stop_ids == (im_end, endoftext) and tok.eos_id == im_end
+  assert tok.vocab_size == 400 and tok.bos_id is None and tok.pad_id == endoftext
+  assert tok.token_to_id("<|nope|>") is None
+  text = "Tom has 12 apples. <|im_end|>Ünïcode ∑ 🙂<|endoftext|>"
+  ids = tok.encode(text)
+  assert ids.dtype == np.int32 and tok.decode(ids) == text
+  assert im_end in ids and len(tok.encode("<|im_end|>")) == 1
+  assert tok.decode(ids, skip_special_tokens=True) == "Tom has 12 apples. Ünïcode ∑ 🙂"
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode([tok.vocab_size])
+  chat = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "2+2?"}])
+  assert tok.decode(chat) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                              "2+2?<|im_end|>\n<|im_start|>assistant\n")
+  assert chat[0] == im_start
+  for bad in ([], "hi", [{"role": "user"}], [{"role": "user", "content": 3}]):
+    with pytest.raises(ValueError, match="chat messages must be"):
+      tok.apply_chat_template(bad)
+  # the tokenizer's own eos token when no stop tokens are given; errors name the argument
+  assert TransformersTokenizer.from_dir(bpe_dir).stop_ids == (im_end,)
+  with pytest.raises(ValueError, match=r"stop_tokens: \['</s>'\] not in the vocabulary"):
+    TransformersTokenizer.from_dir(bpe_dir, stop_tokens=("<|im_end|>", "</s>"))
+  plain = TransformersTokenizer.from_dir(bpe_dir).hf
+  plain.chat_template = None
+  with pytest.raises(ValueError, match="chat_template: .* has no chat template"):
+    TransformersTokenizer(plain, chat_template=True)
+
+
+def test_envs_on_a_chat_tokenizer_with_two_stop_ids(bpe_dir):
+  tok = TransformersTokenizer.from_dir(bpe_dir, stop_tokens=STOPS, chat_template=True)
+  im_end, endoftext = tok.stop_ids
+  env = envs.ArithmeticEnv(max_digits=2, tokenizer=tok)
+  assert env.stop_ids == (im_end, endoftext)
+  task = env.prompts("train", 1, seed=0)[0]
+  assert tok.decode(task.prompt_ids) == (f"<|im_start|>user\n{task.task_id}<|im_end|>\n"
+                                         "<|im_start|>assistant\n")
+  target = env.sft_target(task).completion_ids
+  assert target[-1] == im_end and tok.decode(target[:-1]) == task.answer
+  # either stop id ends the answer; without one it is a model failure
+  answer = tok.encode(task.answer)
+  for stop in (im_end, endoftext):
+    assert env.verify(task, np.append(answer, [stop, 7])).outcome == Outcome.SUCCESS
+  assert env.verify(task, answer).info["reason"] == "no eos"
+  assert env.verify(task, np.append(tok.encode(task.answer + "1"), endoftext)
+                    ).info["reason"] == "wrong"
+  # the rollout asks the engine to stop on every stop id besides EOS
+  runner = rollout_lib.EpisodeRunner(types.SimpleNamespace(eos_id=im_end), env,
+                                     sampling=SamplingParams(), seed=0)
+  runner.close()
+  assert runner.sampling.stop_tokens == (endoftext,)
 
 
 # --------------------------------------------------------------------------------- splits
@@ -484,8 +555,19 @@ def test_latency_is_applied_and_a_slow_env_times_out():
 
 
 def test_registry_and_protocol():
-  for name in envs.ENVS:
+  for name in set(envs.ENVS) - {"dataset"}:  # the dataset env needs data (test_dataset_env)
     env = envs.make(name)
     assert isinstance(env, envs.Env) and isinstance(env, BaseEnv) and env.name == name
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="unknown env 'chess'"):
     envs.make("chess")
+
+
+def test_env_by_import_path():
+  env = envs.make("rljax.envs.countdown:CountdownEnv", max_numbers=3, tokenizer=TOK)
+  assert isinstance(env, envs.CountdownEnv) and env.tokenizer is TOK
+  for path, message in (("rljax.envs.nowhere:Env", "cannot import 'rljax.envs.nowhere'"),
+                        ("rljax.envs.countdown:NoSuchEnv", "has no attribute 'NoSuchEnv'"),
+                        ("rljax.envs.countdown:", "not an import path"),
+                        ("collections:OrderedDict", "returned OrderedDict, which is not an Env")):
+    with pytest.raises(ValueError, match=message):
+      envs.make(path)

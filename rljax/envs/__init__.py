@@ -5,8 +5,9 @@
   verdict = safe_verify(env, tasks[0], completion_ids, timeout_s=5.0)
 
 Single-turn: arithmetic, countdown. Multi-turn (tool use, one growing sequence):
-calculator. `rollout` is the reference episode loop; `LatencyModel` injects slow-sandbox
-delays.
+calculator. An env of your own: `make("package.module:factory", **kwargs)` calls
+factory(**kwargs) (with the `tokenizer=` it is given) and checks that it returns an Env.
+`rollout` is the reference episode loop; `LatencyModel` injects slow-sandbox delays.
 """
 
 from rljax.envs.arithmetic import ArithmeticEnv
@@ -15,22 +16,32 @@ from rljax.envs.base import (SPLITS, BaseEnv, Env, Episode, MultiTurnEnv, SFTTar
                              split_of)
 from rljax.envs.calculator import CalculatorEnv
 from rljax.envs.countdown import CountdownEnv
+from rljax.envs.importing import import_object, is_import_path
 from rljax.envs.latency import LatencyModel
-from rljax.envs.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from rljax.envs.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TransformersTokenizer
 
 ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv)}
 
 
-def make(name: str, **kwargs) -> BaseEnv:
-  """ENVS[name](**kwargs); a `latency` given as a dict (a config's) becomes a LatencyModel."""
-  if name not in ENVS:
-    raise ValueError(f"unknown env {name!r}; known: {sorted(ENVS)}")
+def make(name: str, **kwargs) -> Env:
+  """ENVS[name](**kwargs), or the factory at import path `name` ("package.module:factory")
+  called with kwargs; a `latency` given as a dict (a config's) becomes a LatencyModel."""
   if isinstance(kwargs.get("latency"), dict):
     kwargs["latency"] = LatencyModel(**kwargs["latency"])
-  return ENVS[name](**kwargs)
+  if not is_import_path(name):
+    if name not in ENVS:
+      raise ValueError(f"unknown env {name!r}; known: {sorted(ENVS)}, or an import path "
+                       "'package.module:factory'")
+    return ENVS[name](**kwargs)
+  env = import_object(name)(**kwargs)
+  if not isinstance(env, Env):
+    raise ValueError(f"{name} returned {type(env).__name__}, which is not an Env (name, "
+                     "tokenizer, max_turns, stop_ids, prompts, verify, sft_target)")
+  return env
 
 
-__all__ = ["ArithmeticEnv", "BaseEnv", "CalculatorEnv", "CharTokenizer", "CountdownEnv", "ENVS",
-           "Env", "Episode", "HFTokenizer", "LatencyModel", "MultiTurnEnv", "SFTTarget",
-           "SPLITS", "Split", "StepResult", "Task", "Tokenizer", "Verdict", "make", "rollout",
-           "safe_step", "safe_verify", "split_of"]
+__all__ = ["ArithmeticEnv", "BaseEnv", "CalculatorEnv", "CharTokenizer", "CountdownEnv",
+           "ENVS", "Env", "Episode", "HFTokenizer", "LatencyModel", "MultiTurnEnv",
+           "SFTTarget", "SPLITS", "Split", "StepResult", "Task", "Tokenizer",
+           "TransformersTokenizer", "Verdict", "import_object", "make", "rollout", "safe_step",
+           "safe_verify", "split_of"]

@@ -130,7 +130,7 @@ class BaseEnv:
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
-    return (self.tokenizer.eos_id,)
+    return tuple(self.tokenizer.stop_ids)
 
   def _sample(self, rng: np.random.Generator) -> Task:
     """One random task of either split."""
@@ -156,6 +156,10 @@ class BaseEnv:
     return list(tasks.values())
 
   def _prompt_ids(self, text: str) -> np.ndarray:
+    """The prompt as the policy sees it: one user message through the chat template when
+    the tokenizer renders prompts that way (`chat_template`), else BOS (if any) + text."""
+    if getattr(self.tokenizer, "chat_template", None) is True:
+      return self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
     ids = self.tokenizer.encode(text)
     if self.tokenizer.bos_id is not None:
       ids = np.concatenate([[self.tokenizer.bos_id], ids])
@@ -169,13 +173,14 @@ class BaseEnv:
       return None
 
   def _until_eos(self, completion_ids: np.ndarray) -> np.ndarray | None:
+    """The ids before the first of the tokenizer's stop ids (EOS, say <|endoftext|>)."""
     ids = np.asarray(completion_ids).reshape(-1)
-    eos = np.flatnonzero(ids == self.tokenizer.eos_id)
+    eos = np.flatnonzero(np.isin(ids, self.tokenizer.stop_ids))
     return ids[:eos[0]] if len(eos) else None
 
   def _answer_text(self, completion_ids: np.ndarray) -> str | Verdict:
-    """The completion's text before EOS after the injected latency, or the verdict of a
-    completion that has no EOS or undecodable ids."""
+    """The completion's text before its first stop id after the injected latency, or the
+    verdict of a completion that has no stop id ("no eos") or undecodable ids."""
     self.latency.sleep()
     ids = self._until_eos(completion_ids)
     if ids is None:
@@ -226,7 +231,8 @@ def safe_verify(env: Env, task: Task, completion_ids: np.ndarray, *,
   is not a Verdict with a finite reward yields infra_failure instead."""
   try:
     verdict = call_with_timeout(lambda: env.verify(task, completion_ids), timeout_s)
-  except _Timeout as e:
+  # TimeoutError: the env's own deadline (a verifier process it killed, say)
+  except (_Timeout, TimeoutError) as e:
     return Verdict.infra_failure("timeout", error=str(e))
   except Exception as e:  # pylint: disable=broad-except
     return Verdict.infra_failure("exception", error=f"{type(e).__name__}: {e}")

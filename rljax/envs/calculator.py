@@ -61,7 +61,7 @@ class CalculatorEnv(BaseEnv):
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
-    return (self.tokenizer.eos_id, self.call_close_id)
+    return super().stop_ids + (self.call_close_id,)
 
   def _sample(self, rng: np.random.Generator) -> Task:
     k = int(rng.integers(self.min_operands, self.max_operands + 1))

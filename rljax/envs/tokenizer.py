@@ -1,5 +1,6 @@
-"""Tokenizers for the envs: a fixed char-level vocabulary, and an adapter for Hugging Face
-`tokenizers` with the same interface.
+"""Tokenizers for the envs: a fixed char-level vocabulary, and adapters with the same
+interface for a Hugging Face `tokenizers.Tokenizer` and for a local `transformers` tokenizer
+directory (with its chat template and several stop tokens).
 
 Envs work on token ids at their boundaries (DESIGN.md: token in, token out) and on text
 only inside a verifier. Markers the envs need as single tokens (tool-call open/close,
@@ -10,7 +11,7 @@ tokens (`token_to_id` finds them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -33,7 +34,8 @@ class Tokenizer(Protocol):
   vocab_size: int
   pad_id: int | None
   bos_id: int | None
-  eos_id: int
+  eos_id: int  # what the policy ends its answer with (SFT targets end with it)
+  stop_ids: tuple[int, ...]  # every id that ends an answer; eos_id first
 
   def encode(self, text: str) -> np.ndarray:
     """[T] int32; never adds BOS/EOS on its own."""
@@ -65,6 +67,7 @@ class CharTokenizer:
     self._ids = {t: i for i, t in enumerate(self.tokens)}
     self.vocab_size = len(self.tokens)
     self.pad_id, self.bos_id, self.eos_id = PAD_ID, BOS_ID, EOS_ID
+    self.stop_ids = (EOS_ID,)
 
   def encode(self, text: str) -> np.ndarray:
     ids, i = [], 0
@@ -121,6 +124,7 @@ class HFTokenizer:
     if eos_id is None:
       raise ValueError(f"eos token {eos_token!r} is not in the tokenizer")
     self.eos_id = eos_id
+    self.stop_ids = (eos_id,)
 
   @classmethod
   def from_file(cls, path: str, **kwargs) -> "HFTokenizer":
@@ -137,3 +141,100 @@ class HFTokenizer:
 
   def token_to_id(self, token: str) -> int | None:
     return self.hf.token_to_id(token)
+
+
+class TransformersTokenizer:
+  """Adapter: a `transformers` tokenizer (e.g. a model's own, read from its directory by
+  `from_dir`) behind the `Tokenizer` interface, with its chat template and stop tokens.
+
+  `stop_tokens` are the tokens that end an answer, the first one being `eos_id` (what SFT
+  targets end with): `("<|im_end|>", "<|endoftext|>")` for a Qwen chat model; empty: the
+  tokenizer's own eos token. With `chat_template=True` the envs' text prompts are rendered
+  as one user message through the chat template (`apply_chat_template`), generation
+  prompt included. `vocab_size` counts added tokens (`len(tokenizer)`); ids from there up
+  to the model's vocabulary are not tokens (`decode` raises).
+  """
+
+  def __init__(self, tokenizer, *, stop_tokens: Sequence[str] = (), chat_template: bool = False):
+    self.hf = tokenizer
+    self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    self._vocab: dict[str, int] = tokenizer.get_vocab()
+    self.vocab_size = len(tokenizer)
+    self.pad_id, self.bos_id = tokenizer.pad_token_id, tokenizer.bos_token_id
+    stop_tokens = tuple(stop_tokens)
+    if not stop_tokens:
+      if tokenizer.eos_token is None:
+        raise ValueError(f"stop_tokens: none given and {self.name} has no eos token")
+      stop_tokens = (tokenizer.eos_token,)
+    missing = [t for t in stop_tokens if t not in self._vocab]
+    if missing:
+      raise ValueError(f"stop_tokens: {missing} not in the vocabulary of {self.name}")
+    self.stop_ids = tuple(dict.fromkeys(self._vocab[t] for t in stop_tokens))
+    self.eos_id = self.stop_ids[0]
+    if chat_template and not tokenizer.chat_template:
+      raise ValueError(f"chat_template: {self.name} has no chat template")
+    self.chat_template = bool(chat_template)
+
+  @classmethod
+  def from_dir(cls, path: str, **kwargs) -> "TransformersTokenizer":
+    """`transformers.AutoTokenizer` from a local directory (never the Hub)."""
+    import transformers  # pylint: disable=g-import-not-at-top  (an optional dependency)
+    return cls(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True),
+               **kwargs)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self.hf.encode(text, add_special_tokens=False), dtype=np.int32)
+
+  def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    return self.hf.decode(_as_id_list(ids, self.vocab_size),
+                          skip_special_tokens=skip_special_tokens,
+                          clean_up_tokenization_spaces=False)
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._vocab.get(token)
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> np.ndarray:
+    """[T] int32: the messages rendered by the chat template, then the generation prompt
+    (rendered as text, then encoded: the ids of a fresh tokenization of that text)."""
+    if not self.hf.chat_template:
+      raise ValueError(f"{self.name} has no chat template")
+    if (isinstance(messages, (str, bytes)) or not messages
+        or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in messages)):
+      raise ValueError("chat messages must be a non-empty list of {'role': str, "
+                       f"'content': str}}, got {str(messages)[:200]}")
+    text = self.hf.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                       add_generation_prompt=True)
+    return self.encode(text)
+
+
+# A Qwen-style chat template: each message as <|im_start|>role\ncontent<|im_end|>\n, then
+# the assistant's turn opened when a generation prompt is asked for.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_byte_level_bpe(texts: Iterable[str], directory: str, *, vocab_size: int = 512) -> str:
+  """Trains a small byte-level BPE tokenizer on `texts` and saves it to `directory` as a
+  `transformers` tokenizer with Qwen's chat tokens (CHAT_SPECIAL_TOKENS; eos <|im_end|>,
+  pad <|endoftext|>) and CHAT_TEMPLATE: a real tokenizer of the kind `from_dir` reads, for
+  tests and examples. Any text encodes (every byte is a token). Returns `directory`."""
+  # pylint: disable=g-import-not-at-top  (optional dependencies)
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(list(texts), trainer=trainer)
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                            pad_token="<|endoftext|>")
+  hf.chat_template = CHAT_TEMPLATE
+  hf.save_pretrained(directory)
+  return directory

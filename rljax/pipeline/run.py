@@ -5,6 +5,17 @@ Every entry point, the rollout host and the AOT check call it. A config is an
 each caller names the blocks it needs, and a block that is missing, misspelled or short
 of a key is a `ConfigError` naming it, before any model work. Defaults live in the config
 files, never here.
+
+The env is built with the config's tokenizer: the char tokenizer when the config has no
+`tokenizer` block (or `kind="char"`), or a local Hugging Face tokenizer directory:
+
+  config.tokenizer = ConfigDict(dict(kind="hf", path="/ckpt", chat_template=True,
+                                     stop_tokens=("<|im_end|>", "<|endoftext|>")))
+
+(`rljax.envs.TransformersTokenizer`: text prompts rendered through its chat template when
+`chat_template`, the first stop token is EOS, every stop token ends an answer; () = the
+tokenizer's eos token). `env.name` is a registered env or an import path
+"package.module:factory", called with env.kwargs and `tokenizer=`.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ BLOCKS: dict[str, tuple[str, ...]] = {
     "model": (),
     "mesh": (),
     "env": ("name", "kwargs"),
+    "tokenizer": ("kind",),  # optional (the char tokenizer); more keys per kind below
     "engine": ("num_slots", "max_seq_len"),
     "sft": ("load", "steps", "target_pass1", "probe_every", "slow_down_at", "slow_down_factor",
             "probe_every_slow", "probe_tasks", "batch_size", "microbatches", "learning_rate",
@@ -59,6 +71,7 @@ LOCKSTEP = ("model", "mesh", "env", "engine", "sft", "rl", "train", "eval", "log
 ASYNC_TRAINER = LOCKSTEP + ("async_rl",)
 ROLLOUT_HOST = ("model", "env", "engine", "rl", "async_rl")
 MODEL_ONLY = ("model", "mesh")
+TOKENIZER_KEYS = {"char": (), "hf": ("path", "stop_tokens", "chat_template")}
 
 
 class ConfigError(ValueError):
@@ -125,6 +138,64 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   return dataclasses.replace(hf, **{k: v for k, v in given.items() if k in BACKEND_FIELDS})
 
 
+def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
+  """config.tokenizer as an object; the char tokenizer when the block is absent."""
+  if "tokenizer" not in config:
+    return envs.CharTokenizer()
+  t = config.tokenizer
+  if not isinstance(t, ml_collections.ConfigDict):
+    raise ConfigError(f"config.tokenizer must be a block (a ConfigDict), not {t!r}")
+  if t.get("kind") not in TOKENIZER_KEYS:
+    raise ConfigError(f"config.tokenizer.kind must be one of {sorted(TOKENIZER_KEYS)}, not "
+                      f"{t.get('kind')!r}")
+  keys = set(TOKENIZER_KEYS[t.kind])
+  missing, unknown = keys - set(t.keys()), set(t.keys()) - keys - {"kind"}
+  if missing or unknown:
+    raise ConfigError(f"config.tokenizer (kind={t.kind!r}) takes the keys {sorted(keys)}; "
+                      f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+  if t.kind == "char":
+    return envs.CharTokenizer()
+  if not os.path.isdir(t.path):
+    raise ConfigError(f"config.tokenizer.path: {t.path!r} is not a directory")
+  try:
+    import transformers  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ConfigError("config.tokenizer.kind='hf' needs the transformers package "
+                      "(pip install -e '.[test]')") from None
+  try:
+    hf = transformers.AutoTokenizer.from_pretrained(t.path, local_files_only=True)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"config.tokenizer.path: {t.path!r} is not a tokenizer directory: "
+                      f"{e}") from None
+  try:
+    return envs.TransformersTokenizer(hf, stop_tokens=tuple(t.stop_tokens),
+                                      chat_template=t.chat_template)
+  except ValueError as e:  # the message starts with the field's name
+    raise ConfigError(f"config.tokenizer.{e}") from None
+
+
+def make_env(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Env:
+  """config.env with config.tokenizer; the tokenizer must fit the model's vocabulary."""
+  tokenizer = make_tokenizer(config)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    where = "config.tokenizer" if "tokenizer" in config else "the char tokenizer"
+    raise ConfigError(f"{where} has {tokenizer.vocab_size} ids, the model "
+                      f"(config.model.vocab_size) only {cfg.vocab_size}")
+  try:
+    return envs.make(config.env.name, tokenizer=tokenizer, **config.env.kwargs.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.env ({config.env.name}): {e}") from None
+
+
+def check_sft_targets(config: ml_collections.ConfigDict, env: Env) -> None:
+  """A warm start that would train on SFT targets needs an env that has them."""
+  sft_runs = config.sft.steps > 0 and not config.sft.load
+  if sft_runs and not getattr(env, "has_sft_targets", True):
+    raise ConfigError(f"config.sft.steps={config.sft.steps}, but the env has no SFT targets "
+                      "(a dataset env has them with config.env.kwargs.answer_field): set "
+                      "config.sft.steps = 0, or config.sft.load")
+
+
 def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
   """None for a 1-device mesh (plain jit); otherwise a mesh of the first devices."""
   size = math.prod(int(v) for v in mesh_shape.values())
@@ -161,9 +232,11 @@ class Built:
   def make_engine(self, params: Any, *, version: int = 0, weight_update: str = "keep",
                   sharding: sharding_lib.Sharding | None = None) -> DecodeEngine:
     e = self.config.engine
+    extra_stops = len(self.env.stop_ids) - 1  # besides EOS; 4 fit the default shapes
     return DecodeEngine(self.cfg, params, numerics=self.numerics, num_slots=e.num_slots,
                         max_seq_len=e.max_seq_len, eos_id=self.env.tokenizer.eos_id,
-                        version=version, weight_update=weight_update, sharding=sharding)
+                        version=version, weight_update=weight_update, sharding=sharding,
+                        max_stop_tokens=max(4, extra_stops))
 
   def rl_optimizer(self) -> optax.GradientTransformation:
     c = self.config.rl
@@ -196,15 +269,9 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
     raise ConfigError(f"config.model / config.init_from / config.numerics: {e}") from None
   cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
-  env = None
-  if "env" in needs:
-    try:
-      env = envs.make(config.env.name, **config.env.kwargs.to_dict())
-    except (TypeError, ValueError) as e:
-      raise ConfigError(f"config.env: {e}") from None
-    if env.tokenizer.vocab_size > cfg.vocab_size:
-      raise ConfigError(f"the env's tokenizer has {env.tokenizer.vocab_size} ids, the model "
-                        f"(config.model.vocab_size) only {cfg.vocab_size}")
+  env = make_env(config, cfg) if "env" in needs else None
+  if env is not None and "sft" in needs:
+    check_sft_targets(config, env)
   sampling = loss = None
   if "rl" in needs:
     rl = config.rl
