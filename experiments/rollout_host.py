@@ -15,6 +15,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rljax import numerics
+from rljax.pipeline import layout
 from rljax.pipeline.host import RolloutHost, RunOver
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
@@ -25,6 +26,8 @@ _HOST_ID = flags.DEFINE_string("host_id", None, "this host's id (letters, digits
                                "one live process per id", required=True)
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", None, "stop after this long even if the run "
                                   "is not over (default: run until run/done)")
+_ROOT_PROBE_S = flags.DEFINE_float("root_probe_s", 30.0, "at start, a key is written under "
+                                   "--root, read back and deleted; give up after this long")
 _FIRST_VERSION_TIMEOUT_S = flags.DEFINE_float("first_version_timeout_s", 600.0,
                                               "give up if no weights appear in this long")
 
@@ -36,6 +39,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _ROOT.value.startswith("memory://"):
     raise app.UsageError("a memory:// root is private to one process; use file:// or gs://")
+  try:
+    layout.probe_root(_ROOT.value, timeout_s=_ROOT_PROBE_S.value)
+  except layout.RootUnreachable as e:
+    raise SystemExit(f"error: {e}") from None
   numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   try:
     host = RolloutHost(_ROOT.value, _CONFIG.value, _HOST_ID.value,

@@ -3,6 +3,7 @@ from a storage root (weights in, bitwise groups out, version stamps, revoked lea
 run/done), and experiments/rollout_host.py as a real process on a file:// root."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from rljax.model import ModelConfig, init_params
 from rljax.numerics import Numerics
 from rljax.pipeline import wire
 from rljax.pipeline.host import RolloutHost, RunOver
-from rljax.pipeline.layout import DONE_KEY, status_key, stream_url
+from rljax.pipeline.layout import (DONE_KEY, RootUnreachable, probe_root, publish_fingerprint,
+                                   status_key, stream_url)
 from rljax.pipeline.rollout import EpisodeRunner, generate_groups
 from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient, QueueConfig, QueueOwner
@@ -161,6 +163,7 @@ def test_host_serves_the_queue_bitwise_follows_the_stream_and_stops_on_done():
   env = envs.make(config.env.name, **config.env.kwargs.to_dict())
   ctx, root = ts.Context(), "memory://"  # one context: both sides see one memory kvstore
   store = Store.open(root, ctx)
+  publish_fingerprint(store, config)  # as the trainer does before its first weights
   pub = Publisher(Store.open(stream_url(root), ctx), keyframe_every=10)
   pub.publish(p0, 0)
   owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=120.0,
@@ -219,6 +222,7 @@ def test_revoked_lease_is_not_pushed_and_a_regrant_reuses_the_running_group():
   env = envs.make(config.env.name, **config.env.kwargs.to_dict())
   ctx, root = ts.Context(), "memory://run"
   store = Store.open(root, ctx)
+  publish_fingerprint(store, config)
   Publisher(Store.open(stream_url(root), ctx)).publish(p0, 0)
   now = Clock()
   owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=10.0,
@@ -258,8 +262,11 @@ def test_host_input_errors(tmp_path):
   config = small_config()
   with pytest.raises(ValueError, match="store URL"):
     stream_url("/not/a/url")
-  with pytest.raises(TimeoutError, match="no weight-stream version"):
+  with pytest.raises(TimeoutError, match=r"no trainer under .*empty \(no run/fingerprint"):
     RolloutHost(f"file://{tmp_path}/empty", config, "h0", first_version_timeout_s=0.3)
+  publish_fingerprint(Store.open(f"file://{tmp_path}/started"), config)
+  with pytest.raises(TimeoutError, match="no weight-stream version"):
+    RolloutHost(f"file://{tmp_path}/started", config, "h0", first_version_timeout_s=0.3)
   Store.open(f"file://{tmp_path}/over").write(DONE_KEY, b"")
   with pytest.raises(RunOver):
     RolloutHost(f"file://{tmp_path}/over", config, "h0", first_version_timeout_s=5)
@@ -270,12 +277,59 @@ def test_host_input_errors(tmp_path):
     RolloutHost(f"file://{tmp_path}/empty", config, "h0", first_version_timeout_s=0.1)
 
 
+def test_host_waiting_for_the_trainer_says_so(tmp_path, caplog):
+  caplog.set_level("WARNING")
+  with pytest.raises(TimeoutError):
+    RolloutHost(f"file://{tmp_path}/empty", small_config(), "h0", first_version_timeout_s=1.5,
+                wait_report_s=0.5)
+  waits = [r.getMessage() for r in caplog.records if "waiting for the trainer's start" in
+           r.getMessage()]
+  assert len(waits) >= 2 and "host h0" in waits[0] and f"{tmp_path}/empty" in waits[0], waits
+
+
+def test_host_whose_config_differs_from_the_trainers_refuses_to_start(tmp_path):
+  trainer, host = small_config(), small_config()
+  host.rl.temperature = 0.7
+  host.model.hidden_size = 64
+  host.engine.num_slots = 3  # not fingerprinted: a host may have more or fewer slots
+  root = f"file://{tmp_path}/run"
+  publish_fingerprint(Store.open(root), trainer)
+  Publisher(stream_url(root)).publish(params_of(trainer, 0)[1], 0)
+  with pytest.raises(ValueError, match=r"differs from the trainer's \(run/fingerprint.json\) "
+                     r"in 2 field\(s\): config.model.hidden_size: trainer \d+, this host 64; "
+                     r"config.rl.temperature: trainer 1.0, this host 0.7"):
+    RolloutHost(root, host, "h0", first_version_timeout_s=5)
+
+
+def test_root_probe_writes_reads_and_deletes_or_names_the_flag(tmp_path):
+  probe_root(f"file://{tmp_path}/root")
+  assert not list((tmp_path / "root" / "run" / "probe").iterdir())  # cleaned up
+  (tmp_path / "file").write_text("")
+  with pytest.raises(RootUnreachable, match=r"^--root file://.*/file/root: could not write, "
+                     r"read back and delete a key within 2 s \("):
+    probe_root(f"file://{tmp_path}/file/root", timeout_s=2.0)
+
+
+def test_rollout_host_without_gcs_credentials_fails_in_the_probe_time_naming_root(tmp_path):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSTORE_GCS",
+                                                                   "GOOGLE_"))}
+  env["HOME"] = str(tmp_path)  # no gcloud credentials file
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "rollout_host.py"),
+       "--root=gs://rljax-no-such-bucket/run", "--host_id=h0", "--root_probe_s=3"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 1
+  assert "error: --root gs://rljax-no-such-bucket/run: could not write, read back and delete " \
+         "a key within 3 s" in proc.stderr and "credentials" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_rollout_host_process_serves_groups_and_exits_on_done(tmp_path):
   config = small_config()
   cfg, p0 = params_of(config, 0)
   env = envs.make(config.env.name, **config.env.kwargs.to_dict())
   root = f"file://{tmp_path}/run"
   Publisher(stream_url(root)).publish(p0, 0)
+  publish_fingerprint(Store.open(root), config)
   owner = QueueOwner.open(root, QueueConfig(max_outstanding=4, lease_s=120.0,
                                             lease_ttl_s=60.0))
   tasks = env.prompts("train", 2, seed=11)
@@ -315,6 +369,7 @@ def test_host_survives_a_bad_version_and_moves_on_at_the_next_good_one(monkeypat
   config = small_config()
   params = [params_of(config, seed)[1] for seed in range(3)]
   ctx, root = ts.Context(), "memory://bad-version"
+  publish_fingerprint(Store.open(root, ctx), config)
   stream = Store.open(stream_url(root), ctx)
   pub = Publisher(stream, keyframe_every=10)
   pub.publish(params[0], 0)

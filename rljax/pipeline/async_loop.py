@@ -68,8 +68,8 @@ from rljax import distributed
 from rljax.checkpoint import Checkpointer
 from rljax.pipeline import core, npz, wire
 from rljax.pipeline.fidelity import VersionCheck
-from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, read_host_status,
-                                   stream_url, trainer_dir)
+from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, publish_fingerprint,
+                                   read_host_status, stream_url, trainer_dir)
 from rljax.pipeline.lineage import Lineage
 from rljax.pipeline.metrics import host_metrics, plot_reward_curve, read_jsonl
 from rljax.pipeline.run import ASYNC_TRAINER, Built, build
@@ -188,6 +188,8 @@ class AsyncTrainer:
     `on_published` runs once weights are in the stream (before the "before" evaluation,
     so hosts starting up overlap it). Returns the evaluations run so far."""
     run, evals = self.run, []
+    if self.primary:  # before any weights: hosts check it once they see version 0
+      publish_fingerprint(self.store, self.config)
     if self.ckpt.latest_step() is not None:  # --resume (else __init__ refused)
       self._resume()
     else:

@@ -23,6 +23,11 @@ The loop (`run`, one iteration = `run_once`):
   f. stop when `run/done` exists (or after `max_seconds`).
 Storage is read (a-c, done) at most once per `poll_s`, whatever the decode rate.
 
+Before it reads any weights the host waits for the trainer (saying so every
+`wait_report_s`): its config's fingerprint must be the trainer's (`layout.check_fingerprint`:
+model, numerics, tokenizer, env, sampling and seed; a host that differs refuses to start),
+then version 0 must appear.
+
 Status record: {host_id, incarnation, pid, applied: [[version, published_at, applied_at,
 apply_pause_s], ...] (last 50; published_at = the manifest's `created_unix`, or null),
 tokens_generated, generate_s, idle_s, groups_pushed, groups_discarded, time, version,
@@ -39,12 +44,14 @@ import os
 import time
 from typing import Any, Callable
 
+from absl import logging
 import ml_collections
 import numpy as np
 import tensorstore as ts
 
 from rljax.pipeline import wire
-from rljax.pipeline.layout import DONE_KEY, QUEUE_PREFIX, check_root, status_key, stream_url
+from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, check_fingerprint,
+                                   check_root, status_key, stream_url)
 from rljax.pipeline.rollout import EpisodeRunner, Group
 from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient
@@ -71,7 +78,7 @@ class RolloutHost:
   def __init__(self, root: str, config: ml_collections.ConfigDict, host_id: str, *,
                clock: Callable[[], float] = time.time, context: ts.Context | None = None,
                first_version_timeout_s: float = 600.0, heartbeat_s: float = 1.0,
-               status_every_s: float = 5.0):
+               status_every_s: float = 5.0, wait_report_s: float = 10.0):
     built = build(config, ROLLOUT_HOST, devices=False)
     a = config.async_rl
     if a.host_groups < 1 or a.poll_s <= 0:
@@ -90,7 +97,7 @@ class RolloutHost:
     self._last_control = self._last_heartbeat = self._last_status = -float("inf")
     self._done = False
 
-    version, pause = self._wait_for_first_version(first_version_timeout_s)
+    version, pause = self._wait_for_first_version(first_version_timeout_s, wait_report_s)
     self.engine = built.make_engine(self.sub.params, version=version,
                                     weight_update=a.weight_update)
     self._held = self._arrays()
@@ -191,19 +198,34 @@ class RolloutHost:
     except (ValueError, TypeError, AttributeError):
       return None
 
-  def _wait_for_first_version(self, timeout_s: float) -> tuple[int, float]:
-    deadline = time.monotonic() + timeout_s
+  def _wait_for_first_version(self, timeout_s: float, report_s: float) -> tuple[int, float]:
+    """Waits for the trainer's fingerprint (checked against this host's config), then for
+    a first version of the stream."""
+    start = time.monotonic()
+    deadline, next_report = start + timeout_s, start + report_s
+    checked = False
     while True:
       if self.store.read(DONE_KEY) is not None:
         raise RunOver(f"{DONE_KEY} exists under {self.root}: the run is over")
-      t0 = time.perf_counter()
-      version = self._poll()
-      if version is not None:
-        return version, time.perf_counter() - t0
-      if time.monotonic() >= deadline:
+      if not checked and self.store.read(FINGERPRINT_KEY) is not None:
+        check_fingerprint(self.store, self.config)
+        checked = True
+      if checked:
+        t0 = time.perf_counter()
+        version = self._poll()
+        if version is not None:
+          return version, time.perf_counter() - t0
+      now = time.monotonic()
+      if now >= deadline:
         last = self.sub.stats.errors[-1:] or ["none"]
-        raise TimeoutError(f"no weight-stream version under {stream_url(self.root)} "
-                           f"after {timeout_s:.0f} s (last stream error: {last[0]})")
+        what = (f"weight-stream version under {stream_url(self.root)}" if checked else
+                f"trainer under {self.root} (no {FINGERPRINT_KEY})")
+        raise TimeoutError(f"no {what} after {timeout_s:.0f} s (last stream error: {last[0]})")
+      if now >= next_report:
+        logging.warning("host %s: waiting for the trainer's %s under %s (%.0f s of %.0f s)",
+                        self.host_id, "first weights" if checked else "start", self.root,
+                        now - start, timeout_s)
+        next_report += report_s
       time.sleep(0.2)
 
   # ---- work ----
