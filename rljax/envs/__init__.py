@@ -4,10 +4,11 @@
   tasks = env.prompts("train", n=256, seed=0)
   verdict = safe_verify(env, tasks[0], completion_ids, timeout_s=5.0)
 
-Single-turn: arithmetic, countdown. Multi-turn (tool use, one growing sequence):
-calculator. An env of your own: `make("package.module:factory", **kwargs)` calls
-factory(**kwargs) (with the `tokenizer=` it is given) and checks that it returns an Env.
-`rollout` is the reference episode loop; `LatencyModel` injects slow-sandbox delays.
+Single-turn: arithmetic, countdown, dataset (rows of a JSONL/parquet file scored by a
+reward function). Multi-turn (tool use, one growing sequence): calculator. An env of your
+own: `make("package.module:factory", **kwargs)` calls factory(**kwargs) (with the
+`tokenizer=` it is given) and checks that it returns an Env. `rollout` is the reference
+episode loop; `LatencyModel` injects slow-sandbox delays.
 """
 
 from rljax.envs.arithmetic import ArithmeticEnv
@@ -16,11 +17,12 @@ from rljax.envs.base import (SPLITS, BaseEnv, Env, Episode, MultiTurnEnv, SFTTar
                              split_of)
 from rljax.envs.calculator import CalculatorEnv
 from rljax.envs.countdown import CountdownEnv
+from rljax.envs.dataset import DatasetEnv
 from rljax.envs.importing import import_object, is_import_path
 from rljax.envs.latency import LatencyModel
 from rljax.envs.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TransformersTokenizer
 
-ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv)}
+ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv, DatasetEnv)}
 
 
 def make(name: str, **kwargs) -> Env:
@@ -41,7 +43,7 @@ def make(name: str, **kwargs) -> Env:
 
 
 __all__ = ["ArithmeticEnv", "BaseEnv", "CalculatorEnv", "CharTokenizer", "CountdownEnv",
-           "ENVS", "Env", "Episode", "HFTokenizer", "LatencyModel", "MultiTurnEnv",
-           "SFTTarget", "SPLITS", "Split", "StepResult", "Task", "Tokenizer",
+           "DatasetEnv", "ENVS", "Env", "Episode", "HFTokenizer", "LatencyModel",
+           "MultiTurnEnv", "SFTTarget", "SPLITS", "Split", "StepResult", "Task", "Tokenizer",
            "TransformersTokenizer", "Verdict", "import_object", "make", "rollout", "safe_step",
            "safe_verify", "split_of"]

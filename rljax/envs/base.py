@@ -204,8 +204,10 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
   """Runs fn in a daemon thread; raises _Timeout if it has not returned by the deadline.
 
   A thread cannot be killed: a verifier that never returns leaks one daemon thread (it
-  does not block the caller or interpreter exit). Envs that run untrusted code belong in
-  a subprocess sandbox; the verifiers here only parse text.
+  does not block the caller or interpreter exit). Code that may hang belongs in a worker
+  process that is killed at its deadline (`rljax.envs.processes.ProcessPool`, as the
+  dataset env's `verifier_processes` runs its reward_fn); the built-in verifiers only
+  parse text.
   """
   box: dict[str, Any] = {}
 
