@@ -1,7 +1,10 @@
 """Qwen3-235B-A22B (Hugging Face Qwen/Qwen3-235B-A22B config.json): 235B total, 22B active.
 
 Qwen3-30B-A3B's architecture (configs/qwen3_30b_a3b.py) at the larger shape, with a
-256-chip mesh plan. `get_config("tiny")` is the same architecture shrunk to run on a CPU.
+256-chip mesh plan: `model` and `mesh` only, for the AOT check. It does not post-train yet:
+a rollout host runs its engine on one device (not sharded), and 470 GB of bf16 weights
+fit none. `get_config("tiny")` is qwen3_30b_a3b's tiny variant (the same architecture
+shrunk to run on a CPU).
 """
 
 import ml_collections
@@ -13,6 +16,8 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   c = qwen3_30b_a3b.get_config(variant)
   if variant == "tiny":
     return c
+  c = ml_collections.ConfigDict(dict(name="qwen3_235b_a22b", seed=c.seed,
+                                     numerics=c.numerics, model=c.model))
   # a 256-chip plan (v5p-512, or 32 nodes of 8x H100): experts over 8 x 8 (expert x fsdp),
   # tensor parallel over 4 (one KV head per device, so the KV pages shard 4 ways too)
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 8, "expert": 8, "model": 4})

@@ -1,23 +1,49 @@
-"""Qwen3-30B-A3B (Hugging Face Qwen/Qwen3-30B-A3B config.json): 30.5B total, 3.3B active.
+"""Post-training Qwen3-30B-A3B (30.5B total, 3.3B active) from its Hugging Face directory
+with GRPO on your JSONL and reward function; every block of the async pipeline.
 
-`get_config("tiny")` is the same architecture shrunk to run on a CPU.
+  .venv/bin/python experiments/pipeline.py --config=configs/qwen3_30b_a3b.py \\
+      --config.init_from=hf:/path/to/Qwen3-30B-A3B --workdir=/tmp/NAME \\
+      --root=gs://BUCKET/runs/NAME --hosts=0 [--config.env.kwargs.path=rows.jsonl ...]
+
+`init_from` is a placeholder: give the checkpoint directory (config.json, safetensors,
+tokenizer) with --config.init_from=hf:DIR. The tokenizer is that directory's
+(`tokenizer.path = ""`), every machine needs the directory (rollout hosts read its
+config.json and tokenizer; weights reach them through the stream). `config.model` is the
+architecture of Qwen/Qwen3-30B-A3B's config.json, which init_from must agree with (another
+Qwen3-MoE checkpoint: set the fields the error names, e.g. --config.model.rope_theta=).
+The AOT check needs no checkpoint: `experiments/aot_check.py --config=configs/qwen3_30b_a3b.py
+--config.init_from=` lowers config.model's shape.
+
+The env is `DatasetEnv` on examples/gsm_tiny/train.jsonl (GSM8K's fields: `question`,
+`answer` ending in "#### <number>"), scored by `rljax.envs.math_answer:reward_fn` ("####"
+or \\boxed{} answers). Your data: --config.env.kwargs.path=... (and prompt_field,
+answer_field, reward_fn="package.module:function"); rl.num_tasks and eval.num_tasks are
+sized for the example's 59 train / 11 held-out rows.
+
+`get_config("tiny")`: the same blocks shrunk to run on a CPU, from a tiny random
+Qwen3-MoE that `examples/make_tiny_hf_checkpoint.py DIR` writes with transformers (and a
+byte-level BPE tokenizer): --config=configs/qwen3_30b_a3b.py:tiny --config.init_from=hf:DIR.
 """
+
+import os
 
 import ml_collections
 
 from configs import tiny_moe
 
+EXAMPLE_ROWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "examples", "gsm_tiny", "train.jsonl")
+
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
-  if variant == "tiny":
-    c = tiny_moe.get_config()
-    c.model.num_experts_per_tok = 2
-    return c
-  if variant != "full":
+  if variant not in ("full", "tiny"):
     raise ValueError(f"unknown variant {variant!r}; use 'full' or 'tiny'")
   c = ml_collections.ConfigDict()
+  c.name = "qwen3_30b_a3b"
   c.seed = 0
+  # fast: deterministic numerics computes all 128 experts for every token
   c.numerics = "fast"
+  c.init_from = "hf:/path/to/Qwen3-30B-A3B"  # placeholder: --config.init_from=hf:DIR
   # a v5p-64 / 8x8 H100 plan: experts over 8 devices, fsdp over the rest
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 8, "expert": 8, "model": 1})
   c.model = ml_collections.ConfigDict(dict(
@@ -27,4 +53,89 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
       decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
       tie_word_embeddings=False, max_position_embeddings=40960, page_size=16,
       dtype="bfloat16", param_dtype="bfloat16", remat=True))
+  c.tokenizer = ml_collections.ConfigDict(dict(
+      kind="hf", path="", chat_template=True, stop_tokens=("<|im_end|>", "<|endoftext|>")))
+  c.env = ml_collections.ConfigDict()
+  c.env.name = "dataset"
+  c.env.kwargs = ml_collections.ConfigDict(dict(
+      path=EXAMPLE_ROWS, prompt_field="question", answer_field="answer", id_field="id",
+      reward_fn="rljax.envs.math_answer:reward_fn", held_out_fraction=0.2,
+      max_prompt_tokens=512, verifier_processes=8, verifier_timeout_s=5.0))
+  # The engine's shape is the AOT check's plan; a rollout host runs the whole bf16 model
+  # on one device (hosts are not sharded yet): 61 GB of weights + 32 x 4096 tokens of KV
+  # pages at 98 KB a token (12.9 GB) fit a 95 GB v5p or a 141 GB H200, not an 80 GB H100
+  c.engine = ml_collections.ConfigDict(dict(num_slots=32, max_seq_len=4096))
+
+  c.sft = ml_collections.ConfigDict(dict(
+      load="", steps=0,  # a pretrained (instruction-tuned) model: no warm start
+      target_pass1=0.0, probe_every=25, slow_down_at=0.5, slow_down_factor=1.0,
+      probe_every_slow=10, probe_tasks=32, batch_size=512, microbatches=8,
+      learning_rate=1e-6, warmup_steps=10, final_lr_frac=1.0, weight_decay=0.0,
+      num_tasks=48, log_every=10))
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 200
+  # 64 prompts x 8 samples = 512 episodes an update
+  c.rl.prompts_per_step = 64
+  c.rl.group_size = 8
+  c.rl.num_tasks = 48  # distinct train rows used (the example has 59); yours: its size
+  c.rl.max_new_tokens = 3584  # + a prompt of <= max_prompt_tokens fits max_seq_len
+  c.rl.temperature = 1.0
+  c.rl.top_k = 0
+  c.rl.top_p = 1.0
+  c.rl.advantage = "grpo"
+  # a pretrained model solves many grade-school problems in every sample: groups whose
+  # rewards all tie carry no advantage, and up to 2 * (2 - 1) * 64 of them an update are
+  # replaced by fresh prompts
+  c.rl.dynamic_sampling_rounds = 2
+  c.rl.learning_rate = 1e-6  # a pretrained 30B model: small, constant after the warmup
+  c.rl.warmup_steps = 10
+  c.rl.final_lr_frac = 1.0
+  c.rl.adam_b2 = 0.999
+  c.rl.weight_decay = 0.0
+  c.rl.clip_norm = 1.0
+  # 512 sequences of <= 4096 tokens, one a row: 8 microbatches of one row per device of
+  # the 64 (the AOT check's plan: train state < 8 GiB a device)
+  c.rl.microbatches = 8
+  c.rl.router_replay = True  # the trainer replays the experts the engine routed to
+  c.rl.loss = ml_collections.ConfigDict(dict(
+      clip_low=0.2, clip_high=0.28, aggregation="token_mean", max_tokens=None, tis=True,
+      tis_cap=2.0, mis=False, mis_low=0.5, mis_high=2.0, kl_coef=0.0, entropy_coef=0.0))
+
+  c.train = ml_collections.ConfigDict(dict(row_len=0))
+  c.eval = ml_collections.ConfigDict(dict(num_tasks=8, k=4, n=4, temperature=1.0, seed=0,
+                                          every=25))
+  c.log = ml_collections.ConfigDict(dict(tensorboard=True))
+  # Rollout hosts run on their own machines (experiments/rollout_host.py). One version of
+  # staleness: hosts sample the next batch while the trainer trains on this one (TIS
+  # corrects it). A host holds 8 groups (64 sequences for its 32 slots); a lease lasts
+  # 30 min (a group's 8 x 3584 tokens on a busy host take minutes). check_versions_groups
+  # 0: the check holds max_staleness + 2 copies of the serving weights on the trainer
+  c.async_rl = ml_collections.ConfigDict(dict(
+      hosts=0, host_groups=8, max_staleness=1, lease_s=1800.0, lease_ttl_s=120.0, poll_s=1.0,
+      keyframe_every=10, checkpoint_every=10, check_versions_groups=0, weight_update="keep",
+      batch_timeout_s=3600.0))
+  if variant == "tiny":
+    shrink_to_tiny(c)
   return c
+
+
+def shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
+  """The same blocks at CPU size: tiny_moe's architecture with the example tokenizer's
+  512 ids, a few short GRPO steps, one local rollout host."""
+  c.name = "qwen3_30b_a3b_tiny"
+  c.init_from = "hf:/path/to/tiny_qwen3_moe"  # examples/make_tiny_hf_checkpoint.py DIR
+  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "model": 1})
+  c.model = tiny_moe.get_config().model
+  c.model.update(dict(vocab_size=512, dtype="auto", param_dtype="bfloat16", remat=False))
+  c.env.kwargs.update(dict(max_prompt_tokens=80, verifier_processes=1))
+  c.engine = ml_collections.ConfigDict(dict(num_slots=16, max_seq_len=128))
+  c.sft.update(dict(batch_size=8, microbatches=1))
+  c.rl.update(dict(steps=3, prompts_per_step=2, group_size=4, max_new_tokens=48,
+                   microbatches=1, learning_rate=1e-4, warmup_steps=1,
+                   dynamic_sampling_rounds=1))
+  c.eval = ml_collections.ConfigDict(dict(num_tasks=2, k=2, n=2, temperature=1.0, seed=0,
+                                          every=0))
+  c.log.tensorboard = False
+  c.async_rl.update(dict(hosts=1, host_groups=2, lease_s=120.0, lease_ttl_s=15.0, poll_s=0.05,
+                         checkpoint_every=3, batch_timeout_s=300.0))

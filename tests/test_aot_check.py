@@ -3,7 +3,8 @@ abstract inputs, and its per-device bytes equal a hand computation (total bytes 
 
 The tiny run compiles on 8 simulated CPU devices, so it runs in its own process (the
 device count must be set before JAX starts); the full Qwen3-30B-A3B run only lowers (an
-AbstractMesh of 64 devices needs no devices at all).
+AbstractMesh of 64 devices needs no devices at all). Both from config.model's shape
+(`--config.init_from=`: no checkpoint directory; the configs name a placeholder one).
 """
 
 import json
@@ -30,9 +31,10 @@ def run_check(*args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny():
-  # tiny_moe shapes: vocab 128, hidden 64, 3 layers (layer 0 dense), 4 heads, 2 KV heads,
-  # head_dim 16, 8 experts of width 32, page 16
-  return run_check("--config=configs/qwen3_30b_a3b.py:tiny", "--config.mesh.fsdp=2",
+  # tiny_moe shapes with the example tokenizer's vocab 512: hidden 64, 3 layers (layer 0
+  # dense), 4 heads, 2 KV heads, head_dim 16, 8 experts of width 32, page 16
+  return run_check("--config=configs/qwen3_30b_a3b.py:tiny", "--config.init_from=",
+                   "--config.mesh.fsdp=2",
                    "--config.mesh.expert=2", "--config.mesh.model=2", "--host_devices=8",
                    "--num_slots=8", "--max_seq_len=64")
 
@@ -48,7 +50,7 @@ def test_tiny_steps_lower_and_compile(tiny):
 
 @pytest.mark.multidevice
 def test_tiny_per_device_bytes_match_hand_computation(tiny):
-  v, d, e, f, layers, kv, hd, page = 128, 64, 8, 32, 3, 2, 16, 16
+  v, d, e, f, layers, kv, hd, page = 512, 64, 8, 32, 3, 2, 16, 16
   fsdp, expert, model = 2, 2, 2
   arrays = tiny["arrays"]
   # embedding [vocab, embed]: vocab -> model, embed -> fsdp (training); decode rules keep
@@ -64,9 +66,10 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
   assert gate["serving_per_device"] == 2 * d * e * f * 2 // (expert * model)
   # a norm scale head_dim: replicated (layer 0: the dense stack)
   assert arrays["layers/dense/attn/q_norm"]["f32_per_device"] == hd * 4
-  # KV pages: 1 + slots * blocks pages, k and v, bf16 bits, kv heads over `model`
+  # KV pages: 1 + slots * blocks pages, k and v, kv heads over `model`, in the compute
+  # dtype's bits: f32 (fast numerics on a CPU computes in f32: model.dtype "auto")
   num_pages = 1 + 8 * math.ceil(64 / page)
-  kv_total = layers * num_pages * page * kv * hd * 2 * 2
+  kv_total = layers * num_pages * page * kv * hd * 2 * 4
   assert tiny["kv"]["num_pages"] == num_pages
   assert tiny["global_bytes"]["kv_pages"] == kv_total
   assert tiny["per_device_bytes"]["kv_pages"] == kv_total // model
@@ -83,8 +86,8 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
 
 def test_full_qwen3_30b_a3b_lowers():
   """The real shape on its 64-device plan, lowering only (~15 s on the 2-core machine)."""
-  out = run_check("--config=configs/qwen3_30b_a3b.py", "--nocompile", "--num_slots=64",
-                  "--max_seq_len=4096")
+  out = run_check("--config=configs/qwen3_30b_a3b.py", "--config.init_from=", "--nocompile",
+                  "--num_slots=64", "--max_seq_len=4096")
   assert out["train"]["lowered"] and out["decode"]["lowered"], out
   assert out["params_total"] == 30_532_122_624
   assert out["mesh"] == {"data": 1, "fsdp": 8, "expert": 8, "model": 1}

@@ -8,8 +8,11 @@ import jax
 import numpy as np
 import pytest
 
+from configs import arith_tiny
 from rljax.model import ModelConfig, abstract_params, active_params, count_params, forward
 from rljax.model.params import init_params
+from rljax.pipeline import async_loop, core, lockstep
+from rljax.pipeline.run import ASYNC_TRAINER, BLOCKS, ConfigError, build, validate
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
@@ -76,8 +79,6 @@ def test_unknown_model_key_is_rejected():
 
 
 def test_build_names_a_missing_misspelled_or_short_block():
-  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline.run import ASYNC_TRAINER, ConfigError, build
   config = arith_tiny.get_config()
   built = build(config, ASYNC_TRAINER)
   assert built.env.name == "arithmetic" and built.loss.tis and built.sampling.max_new_tokens == 6
@@ -109,13 +110,73 @@ def test_build_names_a_missing_misspelled_or_short_block():
     build(small_vocab)
 
 
+# (field, bad value, the ConfigError's message): values that would otherwise fail a run
+# only after its model is loaded (at the first update, evaluation or checkpoint)
+BAD_VALUES = [
+    ("rl.advantage", "ppo", r"config.rl.advantage must be one of \['grpo', 'drgrpo', 'rloo'\], "
+     "not 'ppo'"),
+    ("rl.group_size", 1, r"config.rl.group_size must be >= 2"),
+    ("rl.loss.kl_coef", 0.1, r"config.rl.loss.kl_coef must be 0"),
+    ("rl.loss.entropy_coef", 0.01, r"config.rl.loss.entropy_coef must be 0"),
+    ("rl.microbatches", 0, r"config.rl.prompts_per_step and config.rl.microbatches must be >= 1"),
+    ("rl.microbatches", 3, r"config.rl.microbatches=3 does not divide the 256 packed rows"),
+    ("sft.microbatches", 3, r"config.sft.microbatches=3 does not divide the 64 packed rows"),
+    ("train.row_len", 8, r"config.train.row_len: row_len 8 cannot hold a sequence of 16"),
+    ("engine.max_seq_len", 80, r"config.engine.max_seq_len 80 exceeds the model's "
+     "max_position_embeddings 64"),
+    ("eval.k", 9, r"config.eval.k must be in \[1, config.eval.n\]"),
+    ("async_rl.weight_update", "reload", r"config.async_rl.weight_update must be one of "
+     r"\['keep', 'recompute'\], not 'reload'"),
+    ("async_rl.checkpoint_every", 0, r"config.async_rl.checkpoint_every must be >= 1"),
+    ("async_rl.max_staleness", -1, r"config.async_rl.max_staleness must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_VALUES,
+                         ids=[f"{f}={v}" for f, v, _ in BAD_VALUES])
+def test_build_names_a_bad_value_before_any_model_work(field, value, message):
+  config = arith_tiny.get_config()
+  *blocks, key = field.split(".")
+  node = config
+  for block in blocks:
+    node = node[block]
+  node[key] = value
+  with pytest.raises(ConfigError, match=message):
+    build(config, ASYNC_TRAINER)
+
+
+@pytest.mark.parametrize("loop", ["lockstep", "async"])
+def test_both_loops_build_the_config_before_any_model_work(loop, tmp_path, monkeypatch):
+  monkeypatch.setattr(core, "setup", lambda *a, **k: pytest.fail("model work before build"))
+  config = arith_tiny.get_config()
+  config.rl.advantage = "ppo"
+  with pytest.raises(ConfigError, match="config.rl.advantage"):
+    if loop == "lockstep":
+      lockstep.run_experiment(config, str(tmp_path))
+    else:
+      async_loop.run_async(config, str(tmp_path), f"file://{tmp_path}/root/")
+  assert not any(tmp_path.iterdir()), "nothing written before the config is checked"
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_builds_what_it_has_blocks_for(name):
-  from rljax.pipeline.run import BLOCKS, build  # pylint: disable=import-outside-toplevel
   config = _load(name)
   needs = [b for b in BLOCKS if b in config]
+  if config.get("init_from"):  # a placeholder directory: config.model's shape, and no env
+    config.init_from = ""  # (its tokenizer is the checkpoint's; test_own_checkpoint_e2e
+    needs.remove("env")  # builds it from a real directory)
   built = build(config, needs, devices=False)
   assert built.cfg.num_hidden_layers == config.model.num_hidden_layers
+
+
+@pytest.mark.parametrize("variant", ["full", "tiny"])
+def test_qwen3_30b_a3b_has_every_block_and_names_its_placeholder_checkpoint(variant):
+  config = _load("qwen3_30b_a3b", variant)
+  validate(config, ASYNC_TRAINER + ("tokenizer",))
+  assert config.sft.steps == 0 and config.tokenizer.kind == "hf"
+  with pytest.raises(ConfigError, match=r"config.init_from: there is no /path/to/.*/config.json "
+                     r"\(give --config.init_from=hf:DIR"):
+    build(config, ASYNC_TRAINER)
 
 
 def test_no_pipeline_module_imports_one_above_it():

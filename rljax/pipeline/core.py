@@ -37,20 +37,11 @@ from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
 from rljax.pipeline.metrics import MetricsLogger, NullLogger, RunningMax
-from rljax.pipeline.run import Built, init_from_hf
+from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
 from rljax.rl.batch import build_batch, split_microbatches
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
-
-
-def rows_for(num_seqs: int, max_seq_len: int, row_len: int, page_size: int) -> int:
-  """Rows that always hold num_seqs sequences of <= max_seq_len tokens under first-fit
-  packing: a row that refuses a sequence already holds >= row_len // aligned_max of them."""
-  per_row = row_len // aligned_length(max_seq_len, page_size)
-  if per_row < 1:
-    raise ValueError(f"row_len {row_len} cannot hold a sequence of {max_seq_len} tokens")
-  return -(-num_seqs // per_row)
 
 
 def task_stream(env: Env, n: int, seed: int) -> Iterator[Task]:

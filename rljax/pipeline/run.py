@@ -14,8 +14,15 @@ The env is built with the config's tokenizer: the char tokenizer when the config
 
 (`rljax.envs.TransformersTokenizer`: text prompts rendered through its chat template when
 `chat_template`, the first stop token is EOS, every stop token ends an answer; () = the
-tokenizer's eos token). `env.name` is a registered env or an import path
+tokenizer's eos token; `path=""`: the directory of `init_from = "hf:DIR"`, where a
+checkpoint keeps its tokenizer). `env.name` is a registered env or an import path
 "package.module:factory", called with env.kwargs and `tokenizer=`.
+
+Values a run would only trip over later (at its first update, evaluation or checkpoint,
+after the model is loaded) are checked here too: the advantage estimator, the loss's
+KL and entropy coefficients (the GRPO step has neither term's input), the engine's
+weight-update policy, group and microbatch sizes against the packed rows, eval.k <= eval.n,
+engine.max_seq_len against the model's positions.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import typing
 from typing import Any, Iterable
 
 import jax
@@ -32,12 +40,13 @@ import optax
 
 from rljax import envs
 from rljax import sharding as sharding_lib
-from rljax.engine.engine import DecodeEngine, SamplingParams
+from rljax.engine.engine import DecodeEngine, SamplingParams, WeightUpdatePolicy
 from rljax.envs.base import Env
 from rljax.model import ModelConfig
 from rljax.model.hf_import import config_from_hf
+from rljax.model.packing import aligned_length
 from rljax.numerics import Numerics
-from rljax.rl import learner
+from rljax.rl import advantages, learner
 from rljax.rl.losses import LossConfig
 
 TOP_LEVEL = ("name", "seed", "numerics", "init_from")
@@ -104,6 +113,73 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
       LossConfig(**config.rl.loss.to_dict())
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config.rl.loss: {e}") from None
+  check_values(config, needs)
+
+
+def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> None:
+  """Values of the needed blocks that would fail a run only after its model is loaded."""
+  if "rl" in needs:
+    rl = config.rl
+    if rl.advantage not in advantages.KINDS:
+      raise ConfigError(f"config.rl.advantage must be one of {list(advantages.KINDS)}, not "
+                        f"{rl.advantage!r}")
+    if rl.group_size < 2:
+      raise ConfigError(f"config.rl.group_size must be >= 2 (a group's baseline needs two "
+                        f"samples), not {rl.group_size}")
+    for key, missing in (("kl_coef", "a reference policy"), ("entropy_coef", "entropies")):
+      if rl.loss[key]:
+        raise ConfigError(f"config.rl.loss.{key} must be 0: the GRPO step computes no "
+                          f"{missing}")
+    if rl.prompts_per_step < 1 or rl.microbatches < 1:
+      raise ConfigError("config.rl.prompts_per_step and config.rl.microbatches must be >= 1, "
+                        f"not {rl.prompts_per_step} and {rl.microbatches}")
+  if "eval" in needs and not 1 <= config.eval.k <= config.eval.n:
+    raise ConfigError(f"config.eval.k must be in [1, config.eval.n]: pass@k from n samples "
+                      f"(k={config.eval.k}, n={config.eval.n})")
+  if "async_rl" in needs:
+    a = config.async_rl
+    policies = typing.get_args(WeightUpdatePolicy)
+    if a.weight_update not in policies:
+      raise ConfigError(f"config.async_rl.weight_update must be one of {list(policies)}, not "
+                        f"{a.weight_update!r}")
+    for key in ("checkpoint_every", "keyframe_every", "host_groups"):
+      if a[key] < 1:
+        raise ConfigError(f"config.async_rl.{key} must be >= 1, not {a[key]}")
+    if a.max_staleness < 0:
+      raise ConfigError(f"config.async_rl.max_staleness must be >= 0, not {a.max_staleness}")
+
+
+def rows_for(num_seqs: int, max_seq_len: int, row_len: int, page_size: int) -> int:
+  """Rows that always hold num_seqs sequences of <= max_seq_len tokens under first-fit
+  packing: a row that refuses a sequence already holds >= row_len // aligned_max of them."""
+  per_row = row_len // aligned_length(max_seq_len, page_size)
+  if per_row < 1:
+    raise ValueError(f"row_len {row_len} cannot hold a sequence of {max_seq_len} tokens")
+  return -(-num_seqs // per_row)
+
+
+def check_shapes(config: ml_collections.ConfigDict, needs: set[str], cfg: ModelConfig) -> None:
+  """The engine's sequence length fits the model; every update's packed rows (one longest
+  sequence per row with train.row_len 0) split into its microbatches."""
+  if "engine" in needs and config.engine.max_seq_len > cfg.max_position_embeddings:
+    raise ConfigError(f"config.engine.max_seq_len {config.engine.max_seq_len} exceeds the "
+                      f"model's max_position_embeddings {cfg.max_position_embeddings}")
+  if not {"engine", "train", "rl"} <= needs:
+    return
+  max_len = config.engine.max_seq_len
+  row_len = config.train.row_len or aligned_length(max_len, cfg.page_size)
+  batches = [("rl", config.rl.prompts_per_step * config.rl.group_size)]
+  if "sft" in needs and config.sft.steps and not config.sft.load:
+    batches.append(("sft", config.sft.batch_size))
+  for block, num_seqs in batches:
+    try:
+      rows = rows_for(num_seqs, max_len, row_len, cfg.page_size)
+    except ValueError as e:
+      raise ConfigError(f"config.train.row_len: {e} (config.engine.max_seq_len)") from None
+    micro = config[block].microbatches
+    if rows % micro:
+      raise ConfigError(f"config.{block}.microbatches={micro} does not divide the {rows} packed "
+                        f"rows of an update's {num_seqs} sequences (row_len {row_len})")
 
 
 def init_from_hf(config: ml_collections.ConfigDict) -> str | None:
@@ -123,7 +199,13 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   path = init_from_hf(config)
   if path is None:
     return ModelConfig.from_dict(config.model.to_dict())
-  with open(os.path.join(path, "config.json")) as f:
+  config_json = os.path.join(path, "config.json")
+  if not os.path.isfile(config_json):
+    raise ConfigError(f"config.init_from: there is no {config_json} (give "
+                      "--config.init_from=hf:DIR, a Hugging Face checkpoint directory; "
+                      "--config.init_from= builds config.model's architecture, randomly "
+                      "initialised)")
+  with open(config_json) as f:
     hf = config_from_hf(json.load(f))
   given = config.model.to_dict() if "model" in config else {}
   for key, value in given.items():
@@ -134,8 +216,22 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
       value = tuple(value)
     if theirs != value:
       raise ConfigError(f"config.model.{key}={value!r} but {path}/config.json has {theirs!r}: "
-                        "init_from sets the architecture; leave it out of config.model")
+                        "init_from sets the architecture; leave it out of config.model "
+                        "(or set it to the checkpoint's)")
   return dataclasses.replace(hf, **{k: v for k, v in given.items() if k in BACKEND_FIELDS})
+
+
+def hf_tokenizer_dir(config: ml_collections.ConfigDict) -> str | None:
+  """The directory of a `kind="hf"` tokenizer (`path`, or init_from's directory when it is
+  ""); None for the char tokenizer."""
+  t = config.get("tokenizer")
+  if not isinstance(t, ml_collections.ConfigDict) or t.get("kind") != "hf":
+    return None
+  path = t.get("path") or init_from_hf(config)
+  if not path:
+    raise ConfigError("config.tokenizer.path is empty and there is no config.init_from "
+                      "checkpoint to take the tokenizer from")
+  return path
 
 
 def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
@@ -155,17 +251,18 @@ def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
                       f"missing {sorted(missing)}, unknown {sorted(unknown)}")
   if t.kind == "char":
     return envs.CharTokenizer()
-  if not os.path.isdir(t.path):
-    raise ConfigError(f"config.tokenizer.path: {t.path!r} is not a directory")
+  path = hf_tokenizer_dir(config)
+  if not os.path.isdir(path):
+    raise ConfigError(f"config.tokenizer.path: {path!r} is not a directory")
   try:
     import transformers  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ConfigError("config.tokenizer.kind='hf' needs the transformers package "
                       "(pip install -e '.[test]')") from None
   try:
-    hf = transformers.AutoTokenizer.from_pretrained(t.path, local_files_only=True)
+    hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError) as e:
-    raise ConfigError(f"config.tokenizer.path: {t.path!r} is not a tokenizer directory: "
+    raise ConfigError(f"config.tokenizer.path: {path!r} is not a tokenizer directory: "
                       f"{e}") from None
   try:
     return envs.TransformersTokenizer(hf, stop_tokens=tuple(t.stop_tokens),
@@ -265,9 +362,12 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
   try:
     cfg = model_config(config)
     numerics = Numerics(config.numerics)
+  except ConfigError:
+    raise
   except (TypeError, ValueError, OSError) as e:
     raise ConfigError(f"config.model / config.init_from / config.numerics: {e}") from None
   cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
+  check_shapes(config, needs, cfg)
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   env = make_env(config, cfg) if "env" in needs else None
   if env is not None and "sft" in needs:
