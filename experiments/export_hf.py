@@ -8,7 +8,8 @@
 `--params`: a params checkpoint (the lockstep loop's `final_params`, an `sft_checkpoint`);
 `--checkpoint`: the async trainer's train-state checkpoints (the latest step, or `--step`).
 The weights are written as `--dtype` (default the config's `model.param_dtype`: the serving
-params). The tokenizer: `--tokenizer_dir`'s files, else the env's char tokenizer in HF form.
+params). The tokenizer: `--tokenizer_dir`'s files, else the config's (`tokenizer.kind="hf"`:
+its directory, `init_from`'s when `tokenizer.path` is ""), else the char tokenizer in HF form.
 `transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result. Last line: one
 JSON object.
 """
@@ -16,17 +17,16 @@ JSON object.
 import json
 import tempfile
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
 
 from rljax import numerics
 from rljax.checkpoint import Checkpointer
-from rljax.envs.tokenizer import CharTokenizer
 from rljax.model import abstract_params, count_params
 from rljax.model.hf_export import export_hf
-from rljax.pipeline.run import LOCKSTEP, build
+from rljax.pipeline.run import MODEL_ONLY, build, hf_tokenizer_dir, make_tokenizer
 from rljax.rl import learner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py",
@@ -41,13 +41,16 @@ _TOKENIZER_DIR = flags.DEFINE_string("tokenizer_dir", None, "tokenizer files to 
 
 
 def main(argv):
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore step at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if (_PARAMS.value is None) == (_CHECKPOINT.value is None):
     raise app.UsageError("give exactly one of --params and --checkpoint")
   config = _CONFIG.value
   numerics.set_up_process(config.numerics)
-  built = build(config, LOCKSTEP, devices=False)
+  # the model; the rl block's optimizer for a train state (no env: no verifier processes)
+  built = build(config, MODEL_ONLY + (("rl",) if _CHECKPOINT.value else ()), devices=False)
   cfg = built.cfg
   params_abstract = abstract_params(cfg, jnp.float32)
   if _PARAMS.value is not None:
@@ -60,15 +63,12 @@ def main(argv):
     with Checkpointer(_CHECKPOINT.value, keep_last=1) as ckpt:
       params = ckpt.restore({"state": target}, _STEP.value).state["state"].params
   dtype = _DTYPE.value or cfg.param_dtype
-  tokenizer = built.env.tokenizer
+  tokenizer = make_tokenizer(config)
   with tempfile.TemporaryDirectory() as tmp:
-    tokenizer_dir = _TOKENIZER_DIR.value
+    tokenizer_dir = _TOKENIZER_DIR.value or hf_tokenizer_dir(config)
     extra = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id,
              "pad_token_id": tokenizer.pad_id}
-    if tokenizer_dir is None:
-      if not isinstance(tokenizer, CharTokenizer):
-        raise app.UsageError("the env's tokenizer is not the char tokenizer: give "
-                             "--tokenizer_dir")
+    if tokenizer_dir is None:  # the char tokenizer, in HF form
       tokenizer.to_hf(cfg.vocab_size).save_pretrained(tmp)
       tokenizer_dir = tmp
     files = export_hf(params, cfg, _OUT.value, dtype=dtype, tokenizer_dir=tokenizer_dir,

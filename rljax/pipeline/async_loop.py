@@ -427,7 +427,9 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
       "mean_staleness": float(np.mean(totals["staleness"])) if totals["staleness"] else 0.0,
       "ttb_s": float(np.mean(totals["ttb_s"])) if totals["ttb_s"] else 0.0,
       "dropped_stale": trainer.dropped_stale, "dropped_no_signal": trainer.dropped_no_signal,
-      "queue": trainer.owner.accounting()}
+      "queue": trainer.owner.accounting(),
+      # the last update's train state: experiments/export_hf.py --checkpoint=<this>
+      "checkpoints": str(trainer.ckpt.directory)}
   if trainer.check is not None:
     extra |= trainer.check.summary()
   run.timings["train_s"] = totals["train_s"]
