@@ -2,9 +2,13 @@
 loop lowered (and, given the devices, compiled) on abstract inputs over an abstract mesh,
 with per-device bytes (rljax/aot.py says what is measured and how).
 
-  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py \
+  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
       [--num_slots=64 --max_seq_len=4096 --microbatch_tokens=0 --platform=tpu]
-  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --host_devices=64  # compile
+  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
+      --host_devices=64  # compile
+
+(`--config.init_from=` plans config.model's shapes; `--config.init_from=hf:DIR` those of
+DIR's config.json.)
 
 Prints a table; the last line is one JSON object.
 """

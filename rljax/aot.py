@@ -1,9 +1,13 @@
 """Ahead-of-time check of a real-size config (`experiments/aot_check.py`): the GRPO train step and the engine's decode
 step lowered (and, given the devices, compiled) on abstract inputs, with per-device bytes.
 
-  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py \
+  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
       [--num_slots=64 --max_seq_len=4096 --microbatch_tokens=0 --platform=tpu]
-  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --host_devices=64  # compile
+  python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
+      --host_devices=64  # compile
+
+(`--config.init_from=` plans config.model's shapes; `--config.init_from=hf:DIR` those of
+DIR's config.json.)
 
 Nothing of the model's size is allocated: params, optimizer state, batch and KV pages are
 `jax.ShapeDtypeStruct`s carrying `NamedSharding`s (params from `jax.eval_shape`), and the
