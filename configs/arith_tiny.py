@@ -87,8 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
   # (rows are sized for the longest sequences) and attend over 8x the keys: the forward +
   # backward of 2048 tokens took 1.46x as long on bench_step's model (AMD EPYC, f32)
   c.train = ml_collections.ConfigDict(dict(row_len=0))
+  # collapse_fall: a held-out pass@1 this far below the run's best logs a collapse alarm
+  # (eval records' collapse_alarm, the summary's collapse_alarms)
   c.eval = ml_collections.ConfigDict(dict(num_tasks=256, k=8, n=8, temperature=1.0, seed=0,
-                                          every=100))
+                                          every=100, collapse_fall=0.15))
   c.log = ml_collections.ConfigDict(dict(tensorboard=True))
   # the async pipeline (rollout hosts + trainer sharing a storage root)
   c.async_rl = ml_collections.ConfigDict(dict(hosts=2, host_groups=8, max_staleness=2,

@@ -215,11 +215,23 @@ def fast_run(tmp_path_factory):
   return workdir, _grpo(workdir)
 
 
+def test_the_collapse_alarm_fires_on_a_fall_from_the_best_not_on_noise():
+  from rljax.pipeline.metrics import FallAlarm  # pylint: disable=import-outside-toplevel
+  alarm = FallAlarm(threshold=0.15)
+  seen = [alarm.update(p) for p in (0.25, 0.5, 0.42, 0.75, 0.68, 0.39, 0.8)]
+  assert [s["collapse_alarm"] for s in seen] == [0, 0, 0, 0, 0, 1, 0]
+  assert seen[5]["pass1_fall_from_best"] == 0.75 - 0.39
+  assert alarm.best == 0.8 and alarm.max_fall == 0.75 - 0.39 and alarm.alarms == 1
+
+
 def test_grpo_experiment_end_to_end(fast_run):
   workdir, fast = fast_run
   for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass4_after", "steps",
-              "wall_s", "mismatch_max_abs"):
+              "wall_s", "mismatch_max_abs", "heldout_max_fall", "collapse_alarms"):
     assert key in fast, key
+  evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if r["phase"] == "eval"]
+  assert "collapse_alarm" not in evals[0]  # the random model's score is no baseline
+  assert all("pass1_fall_from_best" in r for r in evals[1:])
   assert fast["steps"] == 3 and fast["numerics"] == "fast"
   for f in ("metrics.jsonl", "reward_curve.png", "sft_checkpoint", "final_params"):
     assert (workdir / f).exists(), f

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from etils import epath
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -36,7 +37,7 @@ from rljax.model import count_params, init_sharded, param_shardings
 from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
-from rljax.pipeline.metrics import MetricsLogger, NullLogger, RunningMax
+from rljax.pipeline.metrics import FallAlarm, MetricsLogger, NullLogger, RunningMax
 from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
@@ -65,6 +66,12 @@ def params_only(params: Any) -> learner.TrainState:
   return learner.TrainState(params, (), jnp.zeros((), jnp.int32))
 
 
+# a held-out fall from the best that raises the collapse alarm, unless config.eval.collapse_fall
+# says otherwise: healthy runs of the recipe study fell at most 0.08 (evaluation noise
+# included); the collapse that started it fell 0.36
+COLLAPSE_FALL = 0.15
+
+
 @dataclasses.dataclass
 class Run:
   """Everything one run holds; made by `setup`, driven by `sft`, the loops and `run_eval`."""
@@ -78,6 +85,8 @@ class Run:
   version: int = 0
   # over the tokens sampled by the version each update trained (see the module docstring)
   mismatch: RunningMax = dataclasses.field(default_factory=RunningMax)
+  # held-out pass@1 from the warm start on
+  heldout_fall: FallAlarm = dataclasses.field(default_factory=lambda: FallAlarm(COLLAPSE_FALL))
   timings: dict = dataclasses.field(default_factory=lambda: {"rollout_s": 0.0, "train_s": 0.0})
 
   config = property(lambda self: self.built.config)
@@ -120,7 +129,8 @@ def setup(built: Built, workdir: str, *, engine: bool = True,
          else NullLogger(workdir))
   log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
                        "processes": jax.process_count()})
-  return Run(built, heldout, decode, state, serve, log)
+  return Run(built, heldout, decode, state, serve, log,
+             heldout_fall=FallAlarm(config.eval.get("collapse_fall", COLLAPSE_FALL)))
 
 
 def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
@@ -132,6 +142,13 @@ def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
   out = evaluate(run.engine, run.env, run.heldout, k=e.k, n=e.n, temperature=e.temperature,
                  max_new_tokens=run.config.rl.max_new_tokens, seed=e.seed)
   out["eval_s"] = time.perf_counter() - t0
+  if name != "init":  # the random model's score is no baseline
+    out |= run.heldout_fall.update(out["pass1"])
+    if out["collapse_alarm"]:
+      logging.warning("step %d: held-out pass@1 %.3f is %.3f below its best %.3f: is the "
+                      "policy collapsing? (see sampled_nll_mean, mismatch_max_abs, ratio_max "
+                      "in metrics.jsonl)", step, out["pass1"], out["pass1_fall_from_best"],
+                      run.heldout_fall.best)
   run.log.write("eval", step, out)
   return out | {"name": name}
 
@@ -323,6 +340,8 @@ def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> di
       "steps": run.version,
       "mismatch_max_abs": run.mismatch.value,  # None: no token was checked
       "mismatch_tokens": run.mismatch.tokens,
+      "heldout_max_fall": run.heldout_fall.max_fall,
+      "collapse_alarms": run.heldout_fall.alarms,
       "rollout_s": round(run.timings["rollout_s"], 1),
       "train_s": round(run.timings["train_s"], 1),
       "wall_s": round(wall_s, 1),

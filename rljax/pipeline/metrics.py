@@ -40,6 +40,26 @@ class RunningMax:
     self.tokens += int(tokens)
 
 
+@dataclasses.dataclass
+class FallAlarm:
+  """Held-out pass@1's fall from its best so far. A collapsing policy shows here first as a
+  large fall (the study of experiments/study_recipe.py saw falls of at most 0.08 in healthy
+  runs, noise of a 256-task evaluation included); a fall of `threshold` or more is an alarm."""
+
+  threshold: float
+  best: float | None = None
+  max_fall: float = 0.0
+  alarms: int = 0
+
+  def update(self, pass1: float) -> dict[str, float]:
+    self.best = pass1 if self.best is None else max(self.best, pass1)
+    fall = self.best - pass1
+    self.max_fall = max(self.max_fall, fall)
+    alarm = fall >= self.threshold
+    self.alarms += int(alarm)
+    return {"pass1_fall_from_best": fall, "collapse_alarm": int(alarm)}
+
+
 class NullLogger:
   """MetricsLogger's interface, writing nothing: the logger of trainer processes other than
   0 (process 0 owns metrics.jsonl and tb/)."""
