@@ -31,8 +31,6 @@ _ROOT = flags.DEFINE_string("root", None, "storage root URL (default file://<wor
 _HOSTS = flags.DEFINE_integer("hosts", None, "rollout-host processes to start here "
                               "(default config.async_rl.hosts; 0 = they run elsewhere)")
 _PROGRESS = flags.DEFINE_bool("progress", True, "tqdm progress bars on stderr")
-_ROOT_PROBE_S = flags.DEFINE_float("root_probe_s", 30.0, "at start, a key is written under "
-                                   "--root, read back and deleted; give up after this long")
 _RESUME = flags.DEFINE_bool("resume", False, "continue from the trainer's latest checkpoint "
                             "in --workdir/--root (a restart after a crash or kill); without "
                             "it an earlier run's checkpoint there is an error")
@@ -57,10 +55,7 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_"))
   os.makedirs(workdir, exist_ok=True)
   root = _ROOT.value or f"file://{os.path.join(workdir, 'root')}/"
-  try:
-    layout.probe_root(root, timeout_s=_ROOT_PROBE_S.value)
-  except layout.RootUnreachable as e:
-    raise SystemExit(f"error: {e}") from None
+  layout.probe_root_from_flags(root)
   n_hosts = config.async_rl.hosts if _HOSTS.value is None else _HOSTS.value
   bar = (lambda it, desc: tqdm(it, desc=desc, file=sys.stderr, mininterval=2.0)) \
       if _PROGRESS.value and primary else None

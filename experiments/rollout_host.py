@@ -26,8 +26,6 @@ _HOST_ID = flags.DEFINE_string("host_id", None, "this host's id (letters, digits
                                "one live process per id", required=True)
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", None, "stop after this long even if the run "
                                   "is not over (default: run until run/done)")
-_ROOT_PROBE_S = flags.DEFINE_float("root_probe_s", 30.0, "at start, a key is written under "
-                                   "--root, read back and deleted; give up after this long")
 _FIRST_VERSION_TIMEOUT_S = flags.DEFINE_float("first_version_timeout_s", 600.0,
                                               "give up if no weights appear in this long")
 
@@ -39,10 +37,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _ROOT.value.startswith("memory://"):
     raise app.UsageError("a memory:// root is private to one process; use file:// or gs://")
-  try:
-    layout.probe_root(_ROOT.value, timeout_s=_ROOT_PROBE_S.value)
-  except layout.RootUnreachable as e:
-    raise SystemExit(f"error: {e}") from None
+  layout.probe_root_from_flags(_ROOT.value)
   numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   try:
     host = RolloutHost(_ROOT.value, _CONFIG.value, _HOST_ID.value,

@@ -21,6 +21,7 @@ import time
 from typing import Any
 import uuid
 
+from absl import flags
 import jax
 import ml_collections
 import tensorstore as ts
@@ -39,6 +40,11 @@ def check_root(root: str) -> str:
   if not isinstance(root, str) or "://" not in root:
     raise ValueError(f"root must be a store URL (memory://, file:///dir, gs://...), not {root!r}")
   return root
+
+
+_ROOT_PROBE_S = flags.DEFINE_float(
+    "root_probe_s", 30.0, "at start, a key is written under --root, read back and deleted; "
+    "give up after this long")
 
 
 class RootUnreachable(RuntimeError):
@@ -78,6 +84,15 @@ def probe_root(root: str, *, timeout_s: float = 30.0, attempts: int = 3, flag: s
           if root.startswith("gs://") else "")
   raise RootUnreachable(f"{flag} {root}: could not write, read back and delete a key within "
                         f"{timeout_s:g} s ({last}).{hint}")
+
+
+def probe_root_from_flags(root: str) -> None:
+  """`probe_root` with `--root_probe_s`, for entry points (after absl parsed the flags): an
+  unreachable root exits with the probe's one-line error."""
+  try:
+    probe_root(root, timeout_s=_ROOT_PROBE_S.value)
+  except RootUnreachable as e:
+    raise SystemExit(f"error: {e}") from None
 
 
 def stream_url(root: str) -> str:
