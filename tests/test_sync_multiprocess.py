@@ -60,6 +60,8 @@ def test_subscribers_on_any_layout_follow_bitwise(single8, layout):
   assert r["bitwise_equal"] == [True] * VERSIONS
   assert r["in_place"], "delta applies must reuse the device buffers"
   assert not r["errors"]
+  if layout == "decode_data2_expert4":  # each device patches its own block
+    assert r["apply_collectives"] and not any(r["apply_collectives"].values()), r
 
 
 @pytest.mark.multidevice
@@ -174,6 +176,17 @@ def worker_single8(root):
         log[name]["in_place"] = False
       pointers[name] = ptrs
       log[name]["errors"] = sub.stats.errors
+  # the patch program of every tensor of the decode layout (replicated over data, split
+  # over expert on a non-leading axis for the MoE weights): no collective at all
+  from rljax.sync.subscriber import _sharded_apply_fn  # pylint: disable=import-outside-toplevel
+  collectives = {}
+  for p, x in fmt.flatten(subs["decode_data2_expert4"].params).items():
+    rows = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
+    hlo = _sharded_apply_fn("xor", x.sharding).lower(
+        x, rows, jax.ShapeDtypeStruct((8, 1024), jnp.uint16)).compile().as_text()
+    collectives[p] = sum(hlo.count(op) for op in ("all-gather(", "all-reduce(", "all-to-all(",
+                                                    "collective-permute(", "reduce-scatter("))
+  log["decode_data2_expert4"]["apply_collectives"] = collectives
   unique = sum(len({fmt.region_of(s.index, x.shape) for s in x.addressable_shards
                     if s.replica_id == 0})
                for x in jax.tree.leaves(params))

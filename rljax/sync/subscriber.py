@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 from typing import Any, Callable, Mapping
@@ -35,6 +34,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rljax.sync import codecs
 from rljax.sync import manifest as fmt
@@ -47,37 +47,112 @@ _MIN_BUCKET = 1024
 # ---- device apply ----
 
 
+def _apply_block(kind: str, x, positions, values):
+  """x with a sparse patch applied at its flat `positions` (padding: positions == x.size,
+  dropped); the scatter works on x's bits."""
+  u = jax.lax.bitcast_convert_type(x, values.dtype).reshape(-1)
+  if kind == "set":
+    new = values
+  else:
+    old = u.at[positions].get(mode="fill", fill_value=0)
+    new = old ^ values if kind == "xor" else codecs.unordered(codecs.ordered(old) + values)
+  u = u.at[positions].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
+  return jax.lax.bitcast_convert_type(u.reshape(x.shape), x.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_apply_fn(kind: str, sharding: jax.sharding.Sharding):
-  """jit(x, positions [B] int32, values [B] uint) -> x with the patch applied, x donated.
-  Padding positions (== x.size) are dropped."""
+  """jit(x, positions [B] int32, values [B] uint) -> x with the patch applied, x donated."""
+  return jax.jit(functools.partial(_apply_block, kind), donate_argnums=0,
+                 out_shardings=sharding)
 
-  def apply(x, positions, values):
-    u = jax.lax.bitcast_convert_type(x, values.dtype).reshape(-1)
-    if kind == "set":
-      new = values
-    else:
-      old = u.at[positions].get(mode="fill", fill_value=0)
-      new = old ^ values if kind == "xor" else codecs.unordered(codecs.ordered(old) + values)
-    u = u.at[positions].set(new, mode="drop", indices_are_sorted=True, unique_indices=True)
-    return jax.lax.bitcast_convert_type(u.reshape(x.shape), x.dtype)
 
+@functools.lru_cache(maxsize=None)
+def _sharded_apply_fn(kind: str, sharding: NamedSharding):
+  """jit(x, positions [devices, B], values [devices, B]) -> x patched, x donated: each
+  device applies its own row (flat positions within its block) to its block of x, so no
+  device ever holds more than its block and nothing crosses devices."""
+  rows = PartitionSpec(tuple(sharding.mesh.axis_names))
+
+  def local(x, positions, values):
+    return _apply_block(kind, x, positions[0], values[0])
+
+  apply = jax.shard_map(local, mesh=sharding.mesh, in_specs=(sharding.spec, rows, rows),
+                        out_specs=sharding.spec, check_vma=False)
   return jax.jit(apply, donate_argnums=0, out_shardings=sharding)
 
 
+def _bucket(m: int) -> int:
+  return max(_MIN_BUCKET, 1 << max(m - 1, 0).bit_length())  # few shapes, few compiles
+
+
 def apply_on_device(x: jax.Array, patch: codecs.Patch) -> jax.Array:
-  """Applies a sparse patch (global flat positions) to `x` in place (x is donated)."""
+  """Applies a sparse patch (global flat positions) to `x` in place (x is donated).
+
+  On a mesh each device patches its own block (`_sharded_apply_fn`); the limit of 2**31
+  elements (int32 positions) is per block."""
   if patch.positions is None:
     raise ValueError("dense patches are applied by building a new array")
-  if x.size >= 2**31 - 1:
-    raise ValueError("tensors of 2**31 elements or more are not supported")
+  sharding = x.sharding
+  if block_elements(x) >= 2**31 - 1:
+    raise ValueError(f"{x.shape}: blocks of {block_elements(x)} elements; positions are "
+                     "int32, so a tensor's blocks must have fewer than 2**31 elements "
+                     "(shard it further)")
+  if _per_block(x):
+    return _apply_sharded(x, patch, sharding)
   m = patch.positions.size
-  bucket = max(_MIN_BUCKET, 1 << max(m - 1, 0).bit_length())  # few shapes, few compiles
-  positions = np.full(bucket, x.size, np.int32)
+  positions = np.full(_bucket(m), x.size, np.int32)
   positions[:m] = patch.positions
-  values = np.zeros(bucket, patch.values.dtype)
+  values = np.zeros(_bucket(m), patch.values.dtype)
   values[:m] = patch.values
-  return _device_apply_fn(patch.kind, x.sharding)(x, positions, values)
+  return _device_apply_fn(patch.kind, sharding)(x, positions, values)
+
+
+def _per_block(x: jax.Array) -> bool:
+  """Whether x is patched block by block: a mesh sharding that divides x evenly."""
+  s = x.sharding
+  return (isinstance(s, NamedSharding) and len(s.device_set) > 1
+          and all(d % n == 0 for d, n in zip(x.shape, s.shard_shape(x.shape))))
+
+
+def block_elements(x: jax.Array) -> int:
+  """The elements one patch program scatters into: a device's block, or all of x."""
+  return math.prod(x.sharding.shard_shape(x.shape)) if _per_block(x) else x.size
+
+
+def _apply_sharded(x: jax.Array, patch: codecs.Patch, sharding: NamedSharding) -> jax.Array:
+  block = sharding.shard_shape(x.shape)
+  size = math.prod(block)
+  index = np.unravel_index(np.asarray(patch.positions, np.int64), x.shape)
+  by_region: dict[fmt.Region, tuple[np.ndarray, np.ndarray]] = {}
+  for slices in sharding.devices_indices_map(x.shape).values():
+    region = fmt.region_of(slices, x.shape)
+    if region not in by_region:
+      inside = np.ones(patch.positions.size, bool)
+      for i, (a, b) in zip(index, region):
+        inside &= (i >= a) & (i < b)
+      local = np.ravel_multi_index(tuple(i[inside] - a for i, (a, _) in zip(index, region)),
+                                   block) if x.ndim else np.zeros(int(inside.sum()), np.int64)
+      by_region[region] = (local, patch.values[inside])
+  width = _bucket(max(len(p) for p, _ in by_region.values()))
+  devices = list(sharding.mesh.devices.flat)
+  device_index = sharding.devices_indices_map(x.shape)
+  rows = NamedSharding(sharding.mesh, PartitionSpec(tuple(sharding.mesh.axis_names)))
+
+  def row(kind: int, device) -> np.ndarray:
+    local, values = by_region[fmt.region_of(device_index[device], x.shape)]
+    out = (np.full(width, size, np.int32) if kind == 0
+           else np.zeros(width, patch.values.dtype))
+    out[:len(local)] = local if kind == 0 else values
+    return out
+
+  def make(kind: int, dtype) -> jax.Array:
+    return jax.make_array_from_callback(
+        (len(devices), width), rows,
+        lambda idx: np.stack([row(kind, d) for d in devices[idx[0]]]).astype(dtype))
+
+  positions, values = make(0, np.int32), make(1, patch.values.dtype)
+  return _sharded_apply_fn(patch.kind, sharding)(x, positions, values)
 
 
 def region_bits(x: jax.Array, region: fmt.Region) -> np.ndarray:
@@ -362,9 +437,9 @@ class Subscriber:
       x = tensors[path]
       if tuple(x.shape) != t.shape or x.dtype != jnp.dtype(t.dtype):
         raise fmt.StreamError(f"{path}: {t.shape} {t.dtype} vs held {x.shape} {x.dtype}")
-      if x.size >= 2**31 - 1:
-        raise fmt.StreamError(f"{path}: deltas to tensors of 2**31 elements or more are "
-                              "not supported")
+      if block_elements(x) >= 2**31 - 1:
+        raise fmt.StreamError(f"{path}: blocks of {block_elements(x)} elements; deltas need "
+                              "blocks of fewer than 2**31 (shard the tensor further)")
       kinds = {p.kind for _, p in items}
       if len(kinds) != 1 or kinds & {"set"} or any(p.dense for _, p in items):
         raise fmt.StreamError(f"{path}: a delta must decode to sparse xor/add patches")
