@@ -1,9 +1,9 @@
 """Qwen3-235B-A22B (Hugging Face Qwen/Qwen3-235B-A22B config.json): 235B total, 22B active.
 
 Qwen3-30B-A3B's architecture (configs/qwen3_30b_a3b.py) at the larger shape, with a
-256-chip mesh plan: `model` and `mesh` only, for the AOT check. It does not post-train yet:
-a rollout host runs its engine on one device (not sharded), and 470 GB of bf16 weights
-fit none. `get_config("tiny")` is qwen3_30b_a3b's tiny variant (the same architecture
+256-chip mesh plan and a 16-chip rollout host (`engine`: experts split 16 ways, 44 GiB of
+weights + KV a chip): `model`, `mesh` and `engine` only, for the AOT check (no env, rl or
+async_rl blocks yet). `get_config("tiny")` is qwen3_30b_a3b's tiny variant (the same architecture
 shrunk to run on a CPU).
 """
 
@@ -21,6 +21,8 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   # a 256-chip plan (v5p-512, or 32 nodes of 8x H100): experts over 8 x 8 (expert x fsdp),
   # tensor parallel over 4 (one KV head per device, so the KV pages shard 4 ways too)
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 8, "expert": 8, "model": 4})
+  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=4096,
+                                            mesh={"expert": 16}))
   c.model.update(dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
                       moe_intermediate_size=1536, intermediate_size=12288))
   return c

@@ -61,10 +61,11 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
       path=EXAMPLE_ROWS, prompt_field="question", answer_field="answer", id_field="id",
       reward_fn="rljax.envs.math_answer:reward_fn", held_out_fraction=0.2,
       max_prompt_tokens=512, verifier_processes=8, verifier_timeout_s=5.0))
-  # The engine's shape is the AOT check's plan; a rollout host runs the whole bf16 model
-  # on one device (hosts are not sharded yet): 61 GB of weights + 32 x 4096 tokens of KV
-  # pages at 98 KB a token (12.9 GB) fit a 95 GB v5p or a 141 GB H200, not an 80 GB H100
-  c.engine = ml_collections.ConfigDict(dict(num_slots=32, max_seq_len=4096))
+  # A rollout host is one 8-chip machine: experts split 8 ways (16 a chip), attention and
+  # embeddings replicated, slots and KV pages split 8 ways. Per chip (aot_check): 9.6 GiB
+  # of bf16 weights + 3.0 GiB of KV pages for 64 slots x 4096 tokens (98 KB a token)
+  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=4096,
+                                            mesh={"expert": 8}))
 
   c.sft = ml_collections.ConfigDict(dict(
       load="", steps=0,  # a pretrained (instruction-tuned) model: no warm start

@@ -196,7 +196,9 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
                 platform=platform)
   cfg, numerics = built.cfg, built.numerics
   mesh_shape = {a: int(config.mesh.to_dict().get(a, 1)) for a in sharding_lib.MESH_AXES}
-  decode_shape = {a: int((decode_mesh or mesh_shape).get(a, 1)) for a in sharding_lib.MESH_AXES}
+  engine_mesh = dict(config.engine.get("mesh", {})) if "engine" in config else {}
+  decode_shape = {a: int((decode_mesh or engine_mesh or mesh_shape).get(a, 1))
+                  for a in sharding_lib.MESH_AXES}
   train_sh = sharding_lib.Sharding(abstract_mesh(mesh_shape))
   decode_sh = sharding_lib.Sharding(
       abstract_mesh(decode_shape),
@@ -235,10 +237,10 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
                microbatch_tokens=rows * row_len, router_replay=replay)
 
   # ---- engine: the decode loop the engine runs, on abstract params and KV pages ----------
-  num_pages = 1 + num_slots * pages_for(max_seq_len, cfg.page_size)
   programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
                             max_blocks=pages_for(max_seq_len, cfg.page_size),
                             steps_per_call=steps_per_call, sharding=decode_sh)
+  num_pages = programs.round_pages(1 + num_slots * pages_for(max_seq_len, cfg.page_size))
   decode_args = programs.decode_args(num_pages)
   serving, (pool, _) = decode_args[0], decode_args[1]
   pool_shape = pool.shape
@@ -279,6 +281,10 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
       "train": train, "decode": decode, "arrays": arrays}
 
 
+# HBM per chip, in bytes (vendors' GB)
+BUDGETS = {"H200": 141e9, "TPU v5p": 95e9, "H100": 80e9}
+
+
 def table(report: dict) -> str:
   g, d = report["global_bytes"], report["per_device_bytes"]
   mesh = lambda m: " ".join(f"{k}={v}" for k, v in m.items())  # noqa: E731
@@ -312,4 +318,10 @@ def table(report: dict) -> str:
     if r.get("memory"):
       lines.append("  memory_analysis per device (GiB): " + ", ".join(
           f"{k} {v / GIB:.3f}" for k, v in r["memory"].items()))
+  lines.append("per-device budget (weights + KV or state + batch; compiled temporaries "
+               "come on top):")
+  for chip, budget in BUDGETS.items():
+    fits = [f"{who} {need / budget:.0%}" for who, need in
+            (("engine", d["engine"]), ("trainer", d["train_state"] + d["train_batch"]))]
+    lines.append(f"  {chip} ({budget / 1e9:.0f} GB): " + ", ".join(fits))
   return "\n".join(lines)

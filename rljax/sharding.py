@@ -3,7 +3,8 @@
 Model code names tensor roles ("embed", "expert", "batch", ...) and never mesh axes.
 `RULES` is the training table; `DECODE_RULES` is its decode variant (weights replicated
 over `fsdp`, since decode steps are latency-bound and re-gathering weights every token
-costs more than the memory it saves).
+costs more than the memory it saves) and the engine's KV page pool split over the axes
+that split its slots (each device holds 1/n of the pages, not a replica of the pool).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("page_slot", None),
 )
 DECODE_RULES: tuple[tuple[str, Any], ...] = tuple(
-    (name, None if name == "embed" else axes) for name, axes in RULES)
+    (name, None if name == "embed" else ("data", "fsdp", "expert") if name == "pages" else axes)
+    for name, axes in RULES)
 
 
 def make_mesh(shape: Mapping[str, int] | None = None,
@@ -89,6 +91,12 @@ class Sharding:
       axes = tuple(a for a in axes if self.mesh.shape[a] > 1 and not (gathered and a == "fsdp"))
       out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
+
+  def shards(self, logical: str) -> int:
+    """How many ways this mesh splits the logical axis `logical`."""
+    axes = self.spec((logical,))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
 
   def named(self, logical: LogicalAxes, *, gathered: bool = False) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(logical, gathered=gathered))

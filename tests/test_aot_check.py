@@ -66,13 +66,15 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
   assert gate["serving_per_device"] == 2 * d * e * f * 2 // (expert * model)
   # a norm scale head_dim: replicated (layer 0: the dense stack)
   assert arrays["layers/dense/attn/q_norm"]["f32_per_device"] == hd * 4
-  # KV pages: 1 + slots * blocks pages, k and v, kv heads over `model`, in the compute
-  # dtype's bits: f32 (fast numerics on a CPU computes in f32: model.dtype "auto")
-  num_pages = 1 + 8 * math.ceil(64 / page)
+  # KV pages: 1 + slots * blocks pages rounded up to a multiple of the slots' shards
+  # (fsdp x expert: the decode rules split the pages with the slots), k and v, kv heads over
+  # `model`, in the compute dtype's bits: f32 (fast numerics on a CPU computes in f32)
+  num_pages = 4 * math.ceil((1 + 8 * math.ceil(64 / page)) / 4)
   kv_total = layers * num_pages * page * kv * hd * 2 * 4
-  assert tiny["kv"]["num_pages"] == num_pages
+  assert tiny["kv"]["num_pages"] == num_pages == 36
+  assert tiny["kv"]["spec"] == "P(None, ('fsdp', 'expert'), None, 'model', None)"
   assert tiny["global_bytes"]["kv_pages"] == kv_total
-  assert tiny["per_device_bytes"]["kv_pages"] == kv_total // model
+  assert tiny["per_device_bytes"]["kv_pages"] == kv_total // (fsdp * expert * model)
   # optimizer moments follow their params; globals are the whole model
   per = tiny["per_device_bytes"]
   assert per["adam_mu"] == per["adam_nu"] == per["params_f32"]
@@ -95,7 +97,10 @@ def test_full_qwen3_30b_a3b_lowers():
   gate = out["arrays"]["layers/moe/moe/gate"]
   assert gate["f32_per_device"] == layers * d * e * f * 4 // 64
   assert gate["serving_per_device"] == layers * d * e * f * 2 // 8  # decode rules: experts only
-  num_pages = 1 + 64 * 4096 // 16
-  assert out["per_device_bytes"]["kv_pages"] == layers * num_pages * 16 * 4 * 128 * 2 * 2
+  # the engine on config.engine.mesh (one 8-chip host, experts split 8 ways): the pages
+  # split 8 ways with the slots
+  assert out["decode_mesh"] == {"data": 1, "fsdp": 1, "expert": 8, "model": 1}
+  num_pages = 8 * math.ceil((1 + 64 * 4096 // 16) / 8)
+  assert out["per_device_bytes"]["kv_pages"] == layers * num_pages // 8 * 16 * 4 * 128 * 2 * 2
   per = out["per_device_bytes"]
   assert per["train_state"] / GIB < 8 and per["engine"] / GIB < 40  # fits an 80 GB chip

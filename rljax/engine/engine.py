@@ -65,15 +65,18 @@ class DecodeEngine:
     self.steps_per_call, self.max_stop_tokens = steps_per_call, max_stop_tokens
     self.max_blocks = pages_for(max_seq_len, self.page_size)
     num_pages = num_pages or 1 + num_slots * self.max_blocks
+    if sharding is not None:
+      check_slots(sharding, numerics, num_slots)
+    self.programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
+                                   max_blocks=self.max_blocks, steps_per_call=steps_per_call,
+                                   max_stop_tokens=max_stop_tokens, sharding=sharding)
+    num_pages = self.programs.round_pages(num_pages)  # the pool splits evenly
     self.n_moe = len(cfg.moe_layers())
     self.scheduler = Scheduler(
         num_slots=num_slots, max_seq_len=max_seq_len, page_size=self.page_size,
         num_pages=num_pages, steps_per_call=steps_per_call, vocab_size=cfg.vocab_size,
         eos_id=eos_id, max_stop_tokens=max_stop_tokens, moe_layers=self.n_moe,
         experts_per_token=cfg.num_experts_per_tok)
-    self.programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
-                                   max_blocks=self.max_blocks, steps_per_call=steps_per_call,
-                                   max_stop_tokens=max_stop_tokens, sharding=sharding)
     self.params = self.programs.place_params(params)
     # the page pools (k, v), donated to every program call; page tables travel per call
     self.pools = self.programs.empty_pools(num_pages)
@@ -256,6 +259,18 @@ class DecodeEngine:
       src[:len(chunk)] = [c[0] for c in chunk]
       dst[:len(chunk)] = [c[1] for c in chunk]
       self.pools = self.programs.copy(self.pools, src, dst)
+
+
+def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int) -> None:
+  """In deterministic numerics every device must decode at least 2 of the slots, the
+  same number each: XLA:CPU's bf16 dot sums each output element in an order independent
+  of its row count M only for M >= 2 (a 1-row dot is a matrix-vector product with another
+  order; measured: 8 slots over 8 devices gave log-probs 1e-6 off the 1-device engine's)."""
+  shards = sharding.shards("batch")
+  if numerics.deterministic and (num_slots % shards or num_slots // shards < 2):
+    raise ValueError(f"deterministic numerics on a mesh that splits the slots {shards} ways "
+                     f"needs num_slots a multiple of {shards} with at least 2 per device "
+                     f"(so >= {2 * shards}), got {num_slots}")
 
 
 def _sampling_arrays(seqs: list[Seq | None], width: int):

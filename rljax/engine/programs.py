@@ -171,6 +171,11 @@ class EnginePrograms:
   def _replicated(self) -> NamedSharding | None:
     return None if self.sharding is None else NamedSharding(self.sharding.mesh, PartitionSpec())
 
+  def round_pages(self, num_pages: int) -> int:
+    """`num_pages` rounded up to a multiple of the devices the pool is split over."""
+    shards = 1 if self.sharding is None else self.sharding.shards("pages")
+    return -(-num_pages // shards) * shards
+
   def pool_shape(self, num_pages: int) -> tuple[int, ...]:
     c = self.cfg
     return (c.num_hidden_layers, num_pages, c.page_size, c.num_key_value_heads, c.head_dim)

@@ -49,6 +49,7 @@ import ml_collections
 import numpy as np
 import tensorstore as ts
 
+from rljax.model import param_shardings
 from rljax.pipeline import wire
 from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, check_fingerprint,
                                    check_root, status_key, stream_url)
@@ -89,7 +90,12 @@ class RolloutHost:
     self.store = Store.open(check_root(root), context=context)
     self.client = QueueClient(self.store, host_id, prefix=QUEUE_PREFIX, clock=clock)
     self.host_id = self.client.host_id
-    self.sub = Subscriber(Store.open(stream_url(root), context=context))
+    # on a mesh (config.engine.mesh) keyframes land sharded and deltas patch each
+    # device's block in place: no device ever holds the whole model
+    self.sharding = built.engine_sharding()
+    self.sub = Subscriber(Store.open(stream_url(root), context=context),
+                          shardings=None if self.sharding is None
+                          else param_shardings(built.cfg, self.sharding))
     self.env, self.cfg = built.env, built.cfg
     self.applied: collections.deque[list] = collections.deque(maxlen=_APPLIED_KEPT)
     self.counts = dict(groups_pushed=0, groups_discarded=0, generate_s=0.0, idle_s=0.0)
@@ -99,7 +105,7 @@ class RolloutHost:
 
     version, pause = self._wait_for_first_version(first_version_timeout_s, wait_report_s)
     self.engine = built.make_engine(self.sub.params, version=version,
-                                    weight_update=a.weight_update)
+                                    weight_update=a.weight_update, sharding=self.sharding)
     self._held = self._arrays()
     self._record_applied(version, pause)
     self._tokens_at_start = self.engine.stats["generated_tokens"]

@@ -40,7 +40,7 @@ import optax
 
 from rljax import envs
 from rljax import sharding as sharding_lib
-from rljax.engine.engine import DecodeEngine, SamplingParams, WeightUpdatePolicy
+from rljax.engine.engine import DecodeEngine, SamplingParams, WeightUpdatePolicy, check_slots
 from rljax.envs.base import Env
 from rljax.model import ModelConfig
 from rljax.model.hf_import import config_from_hf
@@ -107,6 +107,11 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
     bad = set(config.mesh.keys()) - set(sharding_lib.MESH_AXES)
     if bad:
       raise ConfigError(f"config.mesh has unknown axes {sorted(bad)}; mesh axes are "
+                        f"{list(sharding_lib.MESH_AXES)}")
+  if "engine" in needs and "mesh" in config.engine:
+    bad = set(config.engine.mesh.keys()) - set(sharding_lib.MESH_AXES)
+    if bad:
+      raise ConfigError(f"config.engine.mesh has unknown axes {sorted(bad)}; mesh axes are "
                         f"{list(sharding_lib.MESH_AXES)}")
   if "rl" in needs:
     try:
@@ -334,6 +339,26 @@ class Built:
                         max_seq_len=e.max_seq_len, eos_id=self.env.tokenizer.eos_id,
                         version=version, weight_update=weight_update, sharding=sharding,
                         max_stop_tokens=max(4, extra_stops))
+
+  def engine_sharding(self) -> sharding_lib.Sharding | None:
+    """A rollout host's mesh: `config.engine.mesh` (axis sizes; none or 1 device: no mesh)
+    over this process's first devices, with the decode rules (weights replicated over
+    fsdp, the KV page pool split like the slots)."""
+    shape = {k: int(v) for k, v in self.config.engine.get("mesh", {}).items()}
+    size = math.prod(shape.values())
+    if size == 1:
+      return None
+    local = jax.local_devices()
+    if size > len(local):
+      raise ConfigError(f"config.engine.mesh {shape} needs {size} devices, this process has "
+                        f"{len(local)}")
+    sharding = sharding_lib.Sharding(sharding_lib.make_mesh(shape, local[:size]),
+                                     sharding_lib.DECODE_RULES)
+    try:
+      check_slots(sharding, self.numerics, self.config.engine.num_slots)
+    except ValueError as e:
+      raise ConfigError(f"config.engine.num_slots: {e}") from None
+    return sharding
 
   def rl_optimizer(self) -> optax.GradientTransformation:
     c = self.config.rl
