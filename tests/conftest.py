@@ -1,3 +1,13 @@
+import os
+import pathlib
+
+# Compiled programs are cached on disk for this process and every process it starts (the
+# engine's programs compile again in every test that builds an engine, host and worker).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 # The suite runs both numerics modes in this one process, so it takes the deterministic
 # XLA flags before JAX starts (fast-mode tests pay for them; entry points run in their own
 # processes with their config's mode, see test_numerics).
