@@ -141,30 +141,31 @@ def host_results():
   owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=120.0,
                                              lease_ttl_s=15.0))
   tasks = env.prompts("train", 4, seed=3)
-  owner.submit([(10 + i, wire.task_to_payload(t), GROUP) for i, t in enumerate(tasks[:2])])
   host = RolloutHost(root, config, "h0", context=ctx)
   out = {"sharded": host.sharding is not None,
          "weights_spec": str(host.sub.params["layers"]["moe"]["moe"][name].sharding.spec)}
-  ready = serve_until(host, owner, [10, 11])
-  want = reference_groups(config, cfg, p0, env, tasks[:2], first_id=10)
-  equal = []
-  for i, gid in enumerate([10, 11]):
-    try:
-      assert_same_group(wire.group_from_arrays(ready[gid].arrays, gid), want[i].trajectories)
-      equal.append(True)
-    except AssertionError:
-      equal.append(False)
-    owner.mark_trained(gid)
+
+  def serve_and_compare(first_id, group_tasks, params, version):
+    """Serves the groups and compares each with a 1-device engine's; True per group."""
+    ids = [first_id + i for i in range(len(group_tasks))]
+    owner.submit([(gid, wire.task_to_payload(t), GROUP) for gid, t in zip(ids, group_tasks)])
+    ready = serve_until(host, owner, ids)
+    want = reference_groups(config, cfg, params, env, group_tasks, first_id=first_id,
+                            version=version)
+    equal = []
+    for gid, w in zip(ids, want):
+      try:
+        assert_same_group(wire.group_from_arrays(ready[gid].arrays, gid), w.trajectories)
+        equal.append(True)
+      except AssertionError:
+        equal.append(False)
+      owner.mark_trained(gid)
+    return equal
+
+  equal = serve_and_compare(10, tasks[:2], p0, 0)
   pub.publish(p1, 1)
-  owner.submit([(20 + i, wire.task_to_payload(t), GROUP) for i, t in enumerate(tasks[2:])])
-  ready = serve_until(host, owner, [20, 21])
-  want = reference_groups(config, cfg, p1, env, tasks[2:], first_id=20, version=1)
-  for i, gid in enumerate([20, 21]):
-    try:
-      assert_same_group(wire.group_from_arrays(ready[gid].arrays, gid), want[i].trajectories)
-      equal.append(True)
-    except AssertionError:
-      equal.append(False)
+  equal += serve_and_compare(20, tasks[2:], p1, 1)
+
   # a second delta lands in the same device buffers (the first may copy once: CPU
   # device_put buffers are not donatable)
   def pointers():
