@@ -104,6 +104,15 @@ def test_build_names_a_missing_misspelled_or_short_block():
   bad_mesh.mesh.tensor = 2
   with pytest.raises(ConfigError, match=r"config.mesh has unknown axes \['tensor'\]"):
     build(bad_mesh)
+  bad_engine_mesh = arith_tiny.get_config()
+  bad_engine_mesh.engine.mesh = {"tensor": 2}
+  with pytest.raises(ConfigError, match=r"config.engine.mesh has unknown axes \['tensor'\]"):
+    build(bad_engine_mesh)
+  big_engine_mesh = arith_tiny.get_config()
+  big_engine_mesh.engine.mesh = {"expert": jax.local_device_count() + 1}
+  with pytest.raises(ConfigError, match=r"config.engine.mesh .* needs \d+ devices, this "
+                     "process has .*xla_force_host_platform_device_count"):
+    build(big_engine_mesh).engine_sharding()
   small_vocab = arith_tiny.get_config()
   small_vocab.model.vocab_size = 8
   with pytest.raises(ConfigError, match="tokenizer has .* ids"):

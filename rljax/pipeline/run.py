@@ -351,7 +351,8 @@ class Built:
     local = jax.local_devices()
     if size > len(local):
       raise ConfigError(f"config.engine.mesh {shape} needs {size} devices, this process has "
-                        f"{len(local)}")
+                        f"{len(local)} (to simulate CPU devices: XLA_FLAGS="
+                        f"--xla_force_host_platform_device_count={size})")
     sharding = sharding_lib.Sharding(sharding_lib.make_mesh(shape, local[:size]),
                                      sharding_lib.DECODE_RULES)
     try:
