@@ -395,6 +395,11 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
   cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
   check_shapes(config, needs, cfg)
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
+  if sharding is not None and "engine" in needs:  # evaluations run an engine on this mesh
+    try:
+      check_slots(sharding, numerics, config.engine.num_slots)
+    except ValueError as e:
+      raise ConfigError(f"config.engine.num_slots on config.mesh: {e}") from None
   env = make_env(config, cfg) if "env" in needs else None
   if env is not None and "sft" in needs:
     check_sft_targets(config, env)
