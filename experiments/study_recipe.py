@@ -53,6 +53,10 @@ SETTINGS = {
     # trl's step size and schedule with v1's clip-higher, TIS and router replay
     "v2": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True},
+    # v1 without the cosine decay: the weak start was still improving when v1's lr had
+    # decayed to 0.05x, and trl's constant 1e-4 caught up there
+    "v3": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 1.0,
+           "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True},
 }
 
 
