@@ -19,8 +19,10 @@ the same way. When `latest` itself cannot be reached (its manifest missing or co
 its keyframe unreadable), the subscriber walks back to the newest older version it can
 reach. Weights that failed verification are never handed out: `params` is always
 a verified version. Nothing read from the store makes `poll()` raise: every problem is
-recorded in `stats.errors` and the weights stay at the last verified version. A keyframe is built on the host and verified before it replaces the
-weights (a join holds a second copy until then; call `release()` first to avoid that).
+recorded in `stats.errors` and the weights stay at the last verified version. A keyframe
+is built on the host and verified before it replaces the weights (a join holds a second
+copy until then; call `release()` first to avoid that), then placed by `shardings`: each
+device receives only its block. A delta is patched block by block on a mesh.
 """
 
 from __future__ import annotations
@@ -124,34 +126,31 @@ def _apply_sharded(x: jax.Array, patch: codecs.Patch, sharding: NamedSharding) -
   block = sharding.shard_shape(x.shape)
   size = math.prod(block)
   index = np.unravel_index(np.asarray(patch.positions, np.int64), x.shape)
-  by_region: dict[fmt.Region, tuple[np.ndarray, np.ndarray]] = {}
-  for slices in sharding.devices_indices_map(x.shape).values():
-    region = fmt.region_of(slices, x.shape)
-    if region not in by_region:
-      inside = np.ones(patch.positions.size, bool)
-      for i, (a, b) in zip(index, region):
-        inside &= (i >= a) & (i < b)
-      local = np.ravel_multi_index(tuple(i[inside] - a for i, (a, _) in zip(index, region)),
-                                   block) if x.ndim else np.zeros(int(inside.sum()), np.int64)
-      by_region[region] = (local, patch.values[inside])
-  width = _bucket(max(len(p) for p, _ in by_region.values()))
-  devices = list(sharding.mesh.devices.flat)
-  device_index = sharding.devices_indices_map(x.shape)
+  region_of = {d: fmt.region_of(s, x.shape)
+               for d, s in sharding.devices_indices_map(x.shape).items()}
+  patches: dict[fmt.Region, tuple[np.ndarray, np.ndarray]] = {}  # block-flat positions, values
+  for region in set(region_of.values()):
+    inside = np.ones(patch.positions.size, bool)
+    for i, (a, b) in zip(index, region):
+      inside &= (i >= a) & (i < b)
+    local = np.ravel_multi_index(tuple(i[inside] - a for i, (a, _) in zip(index, region)),
+                                 block) if x.ndim else np.zeros(int(inside.sum()), np.int64)
+    patches[region] = (local, patch.values[inside])
+  width = _bucket(max(len(p) for p, _ in patches.values()))
+  devices = list(sharding.mesh.devices.flat)  # row r of the inputs goes to devices[r]
   rows = NamedSharding(sharding.mesh, PartitionSpec(tuple(sharding.mesh.axis_names)))
 
-  def row(kind: int, device) -> np.ndarray:
-    local, values = by_region[fmt.region_of(device_index[device], x.shape)]
-    out = (np.full(width, size, np.int32) if kind == 0
-           else np.zeros(width, patch.values.dtype))
-    out[:len(local)] = local if kind == 0 else values
-    return out
+  def per_device(part: int, fill, dtype) -> jax.Array:
+    def rows_of(idx):
+      out = np.full((len(devices[idx[0]]), width), fill, dtype)
+      for r, device in enumerate(devices[idx[0]]):
+        data = patches[region_of[device]][part]
+        out[r, :len(data)] = data
+      return out
+    return jax.make_array_from_callback((len(devices), width), rows, rows_of)
 
-  def make(kind: int, dtype) -> jax.Array:
-    return jax.make_array_from_callback(
-        (len(devices), width), rows,
-        lambda idx: np.stack([row(kind, d) for d in devices[idx[0]]]).astype(dtype))
-
-  positions, values = make(0, np.int32), make(1, patch.values.dtype)
+  positions = per_device(0, size, np.int32)  # padding: == the block's size, dropped
+  values = per_device(1, 0, patch.values.dtype)
   return _sharded_apply_fn(patch.kind, sharding)(x, positions, values)
 
 
