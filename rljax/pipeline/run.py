@@ -32,7 +32,7 @@ import json
 import math
 import os
 import typing
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import jax
 import ml_collections
@@ -104,21 +104,32 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
     if missing:
       raise ConfigError(f"config.{block} is missing {missing}")
   if "mesh" in needs:
-    bad = set(config.mesh.keys()) - set(sharding_lib.MESH_AXES)
-    if bad:
-      raise ConfigError(f"config.mesh has unknown axes {sorted(bad)}; mesh axes are "
-                        f"{list(sharding_lib.MESH_AXES)}")
+    check_mesh_axes(config.mesh, "config.mesh")
   if "engine" in needs and "mesh" in config.engine:
-    bad = set(config.engine.mesh.keys()) - set(sharding_lib.MESH_AXES)
-    if bad:
-      raise ConfigError(f"config.engine.mesh has unknown axes {sorted(bad)}; mesh axes are "
-                        f"{list(sharding_lib.MESH_AXES)}")
+    check_mesh_axes(config.engine.mesh, "config.engine.mesh")
   if "rl" in needs:
     try:
       LossConfig(**config.rl.loss.to_dict())
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config.rl.loss: {e}") from None
   check_values(config, needs)
+
+
+def check_mesh_axes(mesh: Mapping[str, Any], field: str) -> None:
+  bad = set(mesh.keys()) - set(sharding_lib.MESH_AXES)
+  if bad:
+    raise ConfigError(f"{field} has unknown axes {sorted(bad)}; mesh axes are "
+                      f"{list(sharding_lib.MESH_AXES)}")
+
+
+def check_engine_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int,
+                       field: str) -> None:
+  """`engine.check_slots` (deterministic numerics: >= 2 slots per device) as a ConfigError
+  naming `field`."""
+  try:
+    check_slots(sharding, numerics, num_slots)
+  except ValueError as e:
+    raise ConfigError(f"{field}: {e}") from None
 
 
 def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> None:
@@ -355,10 +366,8 @@ class Built:
                         f"--xla_force_host_platform_device_count={size})")
     sharding = sharding_lib.Sharding(sharding_lib.make_mesh(shape, local[:size]),
                                      sharding_lib.DECODE_RULES)
-    try:
-      check_slots(sharding, self.numerics, self.config.engine.num_slots)
-    except ValueError as e:
-      raise ConfigError(f"config.engine.num_slots: {e}") from None
+    check_engine_slots(sharding, self.numerics, self.config.engine.num_slots,
+                       "config.engine.num_slots")
     return sharding
 
   def rl_optimizer(self) -> optax.GradientTransformation:
@@ -396,10 +405,8 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
   check_shapes(config, needs, cfg)
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   if sharding is not None and "engine" in needs:  # evaluations run an engine on this mesh
-    try:
-      check_slots(sharding, numerics, config.engine.num_slots)
-    except ValueError as e:
-      raise ConfigError(f"config.engine.num_slots on config.mesh: {e}") from None
+    check_engine_slots(sharding, numerics, config.engine.num_slots,
+                       "config.engine.num_slots on config.mesh")
   env = make_env(config, cfg) if "env" in needs else None
   if env is not None and "sft" in needs:
     check_sft_targets(config, env)
