@@ -98,6 +98,23 @@ class Sharding:
     axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
+  def process_part(self, logical: str) -> tuple[int, int]:
+    """(this process's part, how many parts) of an axis split by `logical` across the
+    processes of a multi-process mesh: each part is the set of indices one process's
+    devices hold, so processes whose devices hold the same indices (the axis is replicated
+    between them) share a part and must feed it the same data. (0, 1) on one process."""
+    n = self.shards(logical)
+    index = self.named((logical,)).devices_indices_map((n,))
+    held: dict[int, set[int]] = {}
+    for device, (idx,) in index.items():
+      held.setdefault(device.process_index, set()).update(range(*idx.indices(n)))
+    parts = sorted({frozenset(v) for v in held.values()}, key=min)
+    covered = sorted(i for part in parts for i in part)
+    if covered != list(range(n)):
+      raise ValueError(f"the processes' devices hold overlapping parts of {logical!r} on mesh "
+                       f"{dict(self.mesh.shape)}: not a split per process")
+    return parts.index(frozenset(held[jax.process_index()])), len(parts)
+
   def named(self, logical: LogicalAxes, *, gathered: bool = False) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(logical, gathered=gathered))
 

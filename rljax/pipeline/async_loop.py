@@ -41,9 +41,11 @@ host applied, rollout tokens/s, host idle fraction.
 Several trainer processes (`jax.distributed`, rljax.distributed): together they hold the
 train state on `config.mesh`, which must span every device of the job. Process 0 alone
 owns the work queue, the lineage, the metrics, the reward curve and the `run/` keys (and
-an entry point's local rollout hosts); each update it broadcasts the groups it took
-(`distributed.broadcast_bytes`, as `wire` arrays) and every process runs the same jitted
-sharded GRPO step on them. Every process publishes the stream shards it holds (Publisher)
+an entry point's local rollout hosts). Each update it broadcasts a plan of the groups it
+took (ids, result keys, advantages: `share_update`); every process reads the groups of its
+part of the batch rows (`core.batch_part`) from the storage root, packs only those and
+feeds them as its slice of the global batch (`rljax.rl.batch.global_batch`), and all run
+the same jitted sharded GRPO step. Every process publishes the stream shards it holds (Publisher)
 and writes its part of each orbax checkpoint, under `<root>/trainer/` (a directory all of
 them reach; one process keeps them in its workdir). Evaluations run on process 0 only, with
 a DecodeEngine on its first device fed the serving params gathered from all processes
@@ -54,6 +56,7 @@ probes (`sft.target_pass1 = 0`); probes would need an engine on every process.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -106,29 +109,55 @@ def setup(built: Built, workdir: str) -> core.Run:
   return run
 
 
-def share_groups(take: Callable[[], list]) -> list[tuple[Any, list[Trajectory]]]:
-  """The batch `take()` returns on process 0, on every process: the others get `(None,
-  trajectories)` pairs decoded from the same `wire` arrays, or raise when take() raised
-  on process 0 (it sends them the error before raising it)."""
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """One update's batch as a trainer process holds it: `groups`, the groups of its part of
+  the batch (all of them with one process) and the whole batch's `advantages` and
+  fidelity-check `versions`. Process 0 also holds `taken`: every group of the batch with
+  its ReadyGroup (queue, lineage and metrics are its)."""
+
+  groups: list[list[Trajectory]]
+  advantages: core.Advantages
+  versions: list[int]
+  taken: list[tuple[Any, list[Trajectory]]] | None = None
+
+
+def share_update(take: Callable[[], Update], part: int, parts: int, store: Store) -> Update:
+  """The update `take()` makes on process 0, on every process, each holding only its part
+  of the groups. Process 0 broadcasts the plan (group ids, result keys, advantages,
+  versions: bytes per sample, not per token); every other process reads its part's groups
+  from the storage root, where they stay until process 0 finalizes them after the
+  update. A take() that raised on process 0 raises on every process."""
   if jax.process_count() == 1:
     return take()
-  if not distributed.is_primary():
+  if distributed.is_primary():
+    try:
+      update = take()
+    except BaseException as err:
+      distributed.broadcast_bytes(npz.encode({"kind": "error", "message": repr(err)}, {}))
+      raise
+    header = {"kind": "update", "group_ids": [r.group_id for r, _ in update.taken],
+              "keys": [r.key for r, _ in update.taken], "versions": update.versions}
+    distributed.broadcast_bytes(npz.encode(header, {"advantages": update.advantages.values,
+                                                    "valid": update.advantages.valid}))
+    groups = [g for _, g in update.taken]
+  else:
     header, arrays = npz.decode(distributed.broadcast_bytes(None))
     if header["kind"] == "error":
       raise RuntimeError(f"trainer process 0 failed: {header['message']}")
-    return [(None, wire.group_from_arrays(
-        {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(f"g{i}.")}, gid))
-            for i, gid in enumerate(header["group_ids"])]
-  try:
-    batch = take()
-  except BaseException as err:
-    distributed.broadcast_bytes(npz.encode({"kind": "error", "message": repr(err)}, {}))
-    raise
-  arrays = {f"g{i}.{k}": v for i, (_, trajs) in enumerate(batch)
-            for k, v in wire.group_to_arrays(trajs).items()}
-  distributed.broadcast_bytes(npz.encode(
-      {"kind": "batch", "group_ids": [ready.group_id for ready, _ in batch]}, arrays))
-  return batch
+    update = Update([], core.Advantages(arrays["advantages"], arrays["valid"], {}),
+                    header["versions"])
+    groups = [None] * len(header["group_ids"])
+    per_part = len(groups) // parts
+    mine = range(part * per_part, (part + 1) * per_part)
+    raws = store.read_many(header["keys"][i] for i in mine)
+    for i, raw in zip(mine, raws):
+      if raw is None:
+        raise RuntimeError(f"group {header['group_ids'][i]}'s result {header['keys'][i]} is "
+                           "gone from the storage root before its update")
+      groups[i] = wire.group_from_arrays(npz.decode(raw)[1], header["group_ids"][i])
+  per_part = len(groups) // parts
+  return dataclasses.replace(update, groups=groups[part * per_part:(part + 1) * per_part])
 
 
 class AsyncTrainer:
@@ -160,8 +189,11 @@ class AsyncTrainer:
     self.run = setup(built, workdir)
     self.store = Store.open(check_root(root))
     self.lineage = Lineage(self.run.log.workdir)
-    if self.multi:  # gloo (CPU) gives the first collective of a device set 30 s to gather
-      distributed.broadcast_bytes(b"ready" if self.primary else None)  # everyone: now
+    self.part = core.batch_part(self.run)  # (this process's part, parts) of every batch
+    if self.multi:
+      core.check_batch_parts(self.run)
+      # gloo (CPU) gives the first collective of a device set 30 s to gather: everyone, now
+      distributed.broadcast_bytes(b"ready" if self.primary else None)
     self.publish_times: dict[int, float] = {}
     self.updates = 0
     self.dropped_stale = 0
@@ -319,22 +351,23 @@ class AsyncTrainer:
     e = self.config.eval
     for _ in progress(range(self.updates, self.rl.steps), desc="grpo-async"):
       t0 = time.perf_counter()
-      batch = share_groups(functools.partial(self._next_batch, tasks, t0))
+      update = share_update(functools.partial(self._next_update, tasks, t0), *self.part,
+                            self.store)
       t1 = time.perf_counter()
       trained_version = run.version
-      groups = [g for _, g in batch]
       if self.check is not None:
-        self.check.check(groups)
-      metrics = core.train_on_groups(run, self.grpo, groups)
+        self.check.check(update.groups, update.versions)
+      metrics = core.train_on_groups(run, self.grpo, update.groups, update.advantages)
       self._publish()
       self.updates += 1
       if self.primary:
+        batch = update.taken
         for ready, _ in batch:
           self.owner.mark_trained(ready.group_id)
         self.lineage.append(self.updates, run.version, [r.group_id for r, _ in batch],
                             [r.host_id for r, _ in batch], [r.payload for r, _ in batch])
         t2 = time.perf_counter()
-        self._log(metrics, [t for g in groups for t in g], trained_version, ttb=t1 - t0,
+        self._log(metrics, [t for _, g in batch for t in g], trained_version, ttb=t1 - t0,
                   train_s=t2 - t1)
       if self.updates % self.a.checkpoint_every == 0 or self.updates == self.rl.steps:
         self.ckpt.save(self.updates, {"state": self.grpo.state},
@@ -346,6 +379,13 @@ class AsyncTrainer:
         self.evaluate(run.version, f"update{self.updates}")
     if self.primary:
       self.owner.flush()
+
+  def _next_update(self, tasks: Iterator, t0: float) -> Update:
+    """Process 0: the next batch, its advantages and the versions its check covers."""
+    batch = self._next_batch(tasks, t0)
+    groups = [g for _, g in batch]
+    versions = [] if self.check is None else self.check.versions_of(groups, self.part[1])
+    return Update(groups, core.advantages_of(self.run, self.grpo, groups), versions, batch)
 
   def _next_batch(self, tasks: Iterator, t0: float) -> list[tuple[Any, list[Trajectory]]]:
     """Process 0: `prompts_per_step` groups from the queue, waiting for the hosts."""

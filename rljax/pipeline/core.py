@@ -41,7 +41,7 @@ from rljax.pipeline.metrics import FallAlarm, MetricsLogger, NullLogger, Running
 from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
-from rljax.rl.batch import build_batch, split_microbatches
+from rljax.rl.batch import build_batch, global_batch, split_microbatches
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 
@@ -295,12 +295,19 @@ def has_signal(trajs: Sequence[Trajectory]) -> bool:
   return len(rewards) > 1
 
 
-def train_on_groups(run: Run, grpo_state: GrpoLearner,
-                    groups: Sequence[Sequence[Trajectory]]) -> dict:
-  """One GRPO update on `rl.prompts_per_step` groups of `rl.group_size` scored episodes;
-  run.version advances. Returns the step's metrics (with advantage statistics); its
-  `mismatch_max_abs` is left out when no token of the batch was sampled by the version
-  trained (`mismatch_tokens` 0)."""
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+  """Every sample's advantage and validity (False: an infra failure), in batch order, and
+  their statistics (the update's metrics)."""
+
+  values: np.ndarray  # [S] f32
+  valid: np.ndarray  # [S] bool
+  stats: dict
+
+
+def advantages_of(run: Run, grpo_state: GrpoLearner,
+                  groups: Sequence[Sequence[Trajectory]]) -> Advantages:
+  """The group advantages of one update's `rl.prompts_per_step` groups of `rl.group_size`."""
   c = run.config.rl
   if len(groups) != c.prompts_per_step or any(len(g) != c.group_size for g in groups):
     raise ValueError(f"an update takes {c.prompts_per_step} groups of {c.group_size}")
@@ -308,12 +315,62 @@ def train_on_groups(run: Run, grpo_state: GrpoLearner,
   rewards = np.array([t.reward for t in trajs], np.float32)
   valid = np.array([t.outcome != Outcome.INFRA_FAILURE for t in trajs])
   group_ids = np.repeat(np.arange(len(groups)), c.group_size)
-  adv, adv_stats = grpo_state.advantages(rewards, group_ids, valid)
-  batch = build_batch(trajs, np.asarray(adv), valid, with_routing=c.router_replay,
-                      **run.batch_shape(len(trajs)))
-  grpo_state.state, metrics = grpo_state.step_fn(
-      grpo_state.state, split_microbatches(batch, c.microbatches), run.version)
-  metrics = jax.device_get(metrics | adv_stats)
+  adv, stats = grpo_state.advantages(rewards, group_ids, valid)
+  return Advantages(np.asarray(adv, np.float32), valid, jax.device_get(stats))
+
+
+def batch_part(run: Run) -> tuple[int, int]:
+  """(this process's part, how many parts) of every update's groups: with several
+  processes each packs and feeds only the groups of its part of the batch rows."""
+  if jax.process_count() == 1 or run.sharding is None:
+    return 0, 1
+  return run.sharding.process_part("batch")
+
+
+def check_batch_parts(run: Run) -> None:
+  """Several processes: an update's groups split evenly over the batch parts, and each
+  part's packed rows per microbatch split evenly over its devices."""
+  part, parts = batch_part(run)
+  c = run.config.rl
+  if c.prompts_per_step % parts:
+    raise ValueError(f"config.rl.prompts_per_step={c.prompts_per_step} groups do not split "
+                     f"over the {parts} processes that feed the batch (config.mesh "
+                     f"{dict(run.sharding.mesh.shape)})")
+  rows = run.batch_shape(c.prompts_per_step * c.group_size // parts)["num_rows"]
+  devices = run.sharding.shards("batch") // parts
+  if rows % c.microbatches or (rows // c.microbatches) % devices:
+    raise ValueError(f"each process packs its {c.prompts_per_step // parts} groups into "
+                     f"{rows} rows: config.rl.microbatches={c.microbatches} microbatches of "
+                     f"them must split over its {devices} batch devices")
+
+
+def train_on_groups(run: Run, grpo_state: GrpoLearner,
+                    groups: Sequence[Sequence[Trajectory]],
+                    advantages: Advantages | None = None) -> dict:
+  """One GRPO update; run.version advances. `groups`: the whole batch (`rl.prompts_per_step`
+  groups of `rl.group_size` scored episodes), or, with several processes, this process's
+  part of it (`batch_part`) with the whole batch's `advantages`. Returns the step's metrics
+  (with the advantage statistics where `advantages` is computed here); its
+  `mismatch_max_abs` is left out when no token of the batch was sampled by the version
+  trained (`mismatch_tokens` 0)."""
+  c = run.config.rl
+  part, parts = batch_part(run)
+  if advantages is None:
+    advantages = advantages_of(run, grpo_state, groups)
+  per_part = len(advantages.values) // parts
+  trajs = [t for g in groups for t in g]
+  if len(trajs) != per_part:
+    raise ValueError(f"part {part} of {parts} of an update holds {per_part} samples, "
+                     f"not {len(trajs)}")
+  mine = slice(part * per_part, (part + 1) * per_part)
+  batch = split_microbatches(
+      build_batch(trajs, advantages.values[mine], advantages.valid[mine],
+                  with_routing=c.router_replay, **run.batch_shape(per_part)), c.microbatches)
+  if jax.process_count() > 1:
+    batch = global_batch(batch, run.sharding, first_seq=mine.start,
+                         advantages=advantages.values, valid=advantages.valid)
+  grpo_state.state, metrics = grpo_state.step_fn(grpo_state.state, batch, run.version)
+  metrics = jax.device_get(metrics) | advantages.stats
   run.version += 1
   run.state = grpo_state.state
   run.mismatch.add(float(metrics["mismatch_max_abs"]), int(metrics["mismatch_tokens"]))

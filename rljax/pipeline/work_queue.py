@@ -119,6 +119,7 @@ class ReadyGroup:
   attempts: int  # leases granted for this group (1 = first try)
   arrays: dict[str, np.ndarray]
   meta: dict[str, Any]
+  key: str  # the result's storage key: readable until the group is finalized and flushed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,7 +446,7 @@ class QueueOwner:
                        f"{header.get('lease_id')}, not group {g.group_id} lease {g.lease_id}")
     return ReadyGroup(group_id=g.group_id, lease_id=g.lease_id, host_id=g.host_id,
                       payload=g.payload, group_size=g.group_size, attempts=g.attempts,
-                      arrays=arrays, meta=header.get("meta", {}))
+                      arrays=arrays, meta=header.get("meta", {}), key=key)
 
   def _revoke(self, g: _Group) -> None:
     """Ends g's live lease (the holder's record loses it)."""

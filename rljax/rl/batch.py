@@ -8,6 +8,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from rljax import sharding as sharding_lib
 from rljax.model.packing import pack
 from rljax.rl.trajectory import Trajectory
 
@@ -87,3 +88,32 @@ def split_microbatches(batch: TrainBatch, num_micro: int) -> TrainBatch:
 
   return TrainBatch(**{f.name: split(f.name, getattr(batch, f.name))
                        for f in dataclasses.fields(batch)})
+
+
+def global_batch(local: TrainBatch, sharding: sharding_lib.Sharding, *, first_seq: int,
+                 advantages: np.ndarray, valid: np.ndarray) -> TrainBatch:
+  """The microbatches of several processes as one batch of global arrays, each process
+  feeding only the rows it packed (`local`: split_microbatches of its part of the batch,
+  sequence slots from 0): every microbatch's rows are split over the processes by the
+  "batch" rule (`Sharding.process_part`), this process's sequence slots are renumbered
+  from `first_seq`, and the per-sequence leaves are the whole batch's (`advantages`,
+  `valid`: [S], the same on every process), replicated."""
+  _, parts = sharding.process_part("batch")
+  rows = sharding.named((None, "batch"))
+  every = sharding.named(())
+
+  def place(name: str, x: np.ndarray | None):
+    if x is None:
+      return None
+    if name in ("advantages", "valid"):
+      whole = advantages if name == "advantages" else valid
+      data = np.broadcast_to(np.asarray(whole, x.dtype), x.shape[:1] + whole.shape)
+      return jax.make_array_from_process_local_data(every, np.ascontiguousarray(data),
+                                                    data.shape)
+    if name == "seq_ids":
+      x = np.where(x >= 0, x + first_seq, -1).astype(x.dtype)
+    shape = (x.shape[0], x.shape[1] * parts) + x.shape[2:]
+    return jax.make_array_from_process_local_data(rows, x, shape)
+
+  return TrainBatch(**{f.name: place(f.name, getattr(local, f.name))
+                       for f in dataclasses.fields(local)})
