@@ -16,6 +16,10 @@ anything touches a device.
 other than 0 first waits that long for the coordinator's port to accept a connection and
 fails with an error naming `--coordinator_address` if it never does; then JAX's own
 registration gets the same limit (past it, JAX aborts the process with DEADLINE_EXCEEDED).
+A process that dies (kill -9, a lost host) stops sending heartbeats; after
+`--distributed_heartbeat_s` (default 100) every other process of the job aborts (SIGABRT,
+"another task died"), so a job never hangs on a dead peer: restart every process with
+`--resume` and the run goes on from its last checkpoint.
 
 Helpers for the loops that run on several processes (rljax.pipeline.async_loop):
 `is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the trainer's
@@ -47,11 +51,16 @@ _LOCAL_DEVICES = flags.DEFINE_integer(
 _TIMEOUT_S = flags.DEFINE_float(
     "distributed_timeout_s", 300.0, "seconds to wait for the coordinator and for every "
     "process to join before failing")
+_HEARTBEAT_S = flags.DEFINE_integer(
+    "distributed_heartbeat_s", 100, "seconds without a heartbeat after which a process "
+    "counts as dead and every other process of the job aborts (restart them all with "
+    "--resume)")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, auto: bool = False,
-               local_device_count: int | None = None, timeout_s: float = 300.0) -> bool:
+               local_device_count: int | None = None, timeout_s: float = 300.0,
+               heartbeat_s: int = 100) -> bool:
   """Joins the multi-process job when asked to; returns whether it did.
 
   A no-op (False) when nothing is given or `num_processes == 1`. Arguments left None are
@@ -69,7 +78,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     wait_for_coordinator(coordinator_address, timeout_s)
   jax.distributed.initialize(coordinator_address, num_processes=num_processes,
                              process_id=process_id,
-                             initialization_timeout=max(1, math.ceil(timeout_s)))
+                             initialization_timeout=max(1, math.ceil(timeout_s)),
+                             heartbeat_timeout_seconds=heartbeat_s)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
@@ -100,7 +110,7 @@ def initialize_from_flags() -> bool:
   """`initialize` with the absl flags above (call after absl parsed them, in `main`)."""
   return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                     auto=_AUTO.value, local_device_count=_LOCAL_DEVICES.value,
-                    timeout_s=_TIMEOUT_S.value)
+                    timeout_s=_TIMEOUT_S.value, heartbeat_s=_HEARTBEAT_S.value)
 
 
 def require_one_process(why: str) -> None:

@@ -1,18 +1,22 @@
 """The multi-host trainer, simulated: experiments/pipeline.py as 2 trainer processes x 4
 CPU devices joined by jax.distributed (rljax.distributed) on 127.0.0.1 into one 8-device
-mesh, with a rollout host, on a gs:// root served by fake-gcs-server.
+mesh, with a rollout host process, on a gs:// root served by fake-gcs-server; kill -9 of
+one trainer process in the middle of the run, then both restarted with --resume.
 
-Process 0 owns the work queue, the lineage and the metrics and starts the rollout host;
-every update it broadcasts the batch and both processes run the sharded GRPO step (fsdp 4
-x expert 2 across processes), publish each version writing only the shards they hold, and
-write their part of one orbax checkpoint (on gs:// too: orbax reaches it through
-etils.epath and gcsfs, pointed at the emulator by STORAGE_EMULATOR_HOST). Checked here:
-the run (summary, host exit codes, lineage, queue accounting, every trained token
-re-scored on the 8-device mesh with the weights of its version: check_versions_groups), every
-version's shards written once and by one process, a subscriber's checksums on every
-delta, and the checkpoint: both processes' parts, restored onto another process count and layout
-(fsdp 2 x expert 4 over 8 devices in reverse order, in one process) and onto one device,
-every leaf bitwise equal both ways, the params' serving bits the stream's newest version.
+Process 0 owns the work queue, the lineage and the metrics; every update it broadcasts a
+plan of the batch, each process reads and feeds its part of it, and both run the sharded
+GRPO step (fsdp 4 x expert 2 across processes), publish each version writing only the
+shards they hold, and write their part of one orbax checkpoint (on gs:// too: orbax
+reaches it through etils.epath and gcsfs, pointed at the emulator by
+STORAGE_EMULATOR_HOST). Process 1 is killed after update 3; process 0 aborts once its
+heartbeats stop (10 s); both restart from update 2's checkpoint. Checked here: the
+survivor's abort, the resumed run (summary, host exit code, lineage cut back and redone,
+no group or task trained twice, queue accounting, trained tokens re-scored on the 8-device
+mesh with the weights of their versions: check_versions_groups), every version's shards
+written once and by one process, a subscriber's checksums on every delta, and the
+checkpoint: both processes' parts, restored onto another process count and layout (fsdp 2
+x expert 4 over 8 devices in reverse order, in one process) and onto one device, every
+leaf bitwise equal both ways, the params' serving bits the stream's newest version.
 
 This file is also the restore worker: `python tests/test_multihost.py CKPT_DIR OUT.npz`.
 """
@@ -20,27 +24,31 @@ This file is also the restore worker: `python tests/test_multihost.py CKPT_DIR O
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parents[1]
 PIPELINE = REPO / "experiments" / "pipeline.py"
+HOST = REPO / "experiments" / "rollout_host.py"
 BUCKET = "rljax-multihost"
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
 TIMEOUT = 300
-STEPS = 3
+STEPS = 4
 FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
     "--config.async_rl.check_versions_groups=1000",
     f"--config.rl.steps={STEPS}", "--config.rl.prompts_per_step=4",
     "--config.rl.group_size=4", "--config.eval.num_tasks=4", "--config.eval.n=2",
     "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=16",
-    "--config.async_rl.host_groups=4", f"--config.async_rl.checkpoint_every={STEPS}",
+    "--config.async_rl.host_groups=4", "--config.async_rl.checkpoint_every=2",
+    "--config.async_rl.lease_ttl_s=4",
     "--config.log.tensorboard=False"]
 
 
@@ -61,8 +69,28 @@ def _env(devices: int) -> dict:
           + f" --xla_force_host_platform_device_count={devices}"}
 
 
+def _trainers(tmp_path, root, *extra) -> list:
+  """The trainer's two processes (the same command on each host, but for --process_id);
+  a dead peer is noticed within 10 s (--distributed_heartbeat_s)."""
+  port, procs = _free_port(), []
+  for i in range(2):
+    err = open(tmp_path / f"trainer{i}.err", "a", encoding="utf-8")  # never blocks
+    procs.append(subprocess.Popen(
+        [sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
+         f"--root={root}", "--hosts=0", "--progress=false",
+         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+         f"--process_id={i}", "--distributed_heartbeat_s=10", *FLAGS, *extra],
+        cwd=str(REPO), env=_env(4), stdout=subprocess.PIPE, stderr=err, text=True))
+  return procs
+
+
+def _updates_logged(workdir) -> int:
+  path = workdir / "metrics.jsonl"
+  return path.exists() and sum('"phase": "async"' in line for line in open(path))
+
+
 @pytest.mark.multidevice
-def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypatch):
+def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, monkeypatch):
   import jax
   import numpy as np
   from rljax.pipeline.metrics import read_jsonl
@@ -75,56 +103,73 @@ def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypa
     # no bucket-type probe through the storage-control API (the emulator has none)
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     root = f"gs://{BUCKET}/runs/async"
-    port = _free_port()
-    procs = []
-    for i in range(2):  # the same command on each trainer host, but for --process_id
-      err = open(tmp_path / f"trainer{i}.err", "w", encoding="utf-8")  # never blocks
-      procs.append(subprocess.Popen(
-          [sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
-           f"--root={root}", "--hosts=1", "--progress=false",
-           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={i}", *FLAGS],
-          cwd=str(REPO), env=_env(4), stdout=subprocess.PIPE, stderr=err, text=True))
+    procs = _trainers(tmp_path, root)
+    host_log = open(tmp_path / "host.log", "a", encoding="utf-8")
+    host = subprocess.Popen([sys.executable, str(HOST), f"--root={root}", "--host_id=host0",
+                             *FLAGS], cwd=str(REPO), stdout=host_log, stderr=subprocess.STDOUT)
     try:
+      # kill -9 process 1 after the checkpoint of update 2, in the middle of the run
+      deadline = time.monotonic() + TIMEOUT
+      while _updates_logged(tmp_path / "trainer0") < 3:
+        assert procs[0].poll() is None and time.monotonic() < deadline, (
+            (tmp_path / "trainer0.err").read_text()[-4000:])
+        time.sleep(0.5)
+      procs[1].send_signal(signal.SIGKILL)
+      procs[1].wait()
+      # the survivor does not hang in a collective: it aborts once the heartbeats stop
+      assert procs[0].wait(timeout=120) != 0
+      assert "another task died" in (tmp_path / "trainer0.err").read_text()
+      procs = _trainers(tmp_path, root, "--resume")  # both again, from the checkpoint
       outs = []
       for i, p in enumerate(procs):
         out, _ = p.communicate(timeout=TIMEOUT)
         assert p.returncode == 0, (tmp_path / f"trainer{i}.err").read_text()[-4000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
+      host_code = host.wait(timeout=120)
     finally:
-      for p in procs:
+      for p in [*procs, host]:
         if p.poll() is None:
           p.kill()
           p.communicate()
+      host_log.close()
     summary, other = outs
 
-    # the run: process 0's summary, its host, its lineage and queue; process 1 wrote nothing
+    # the run: process 0's summary, lineage and queue, resumed; process 1 wrote nothing
     assert summary["processes"] == 2 and summary["devices"] == 8
-    assert summary["updates"] == STEPS and summary["steps"] == STEPS
-    assert summary["host_exit_codes"] == [0]
+    assert summary["updates"] == STEPS and summary["resumed_from_update"] == 2
+    assert summary["resumed_stream_version"] == 2 and host_code == 0
+    final = summary["steps"]  # versions the dead run published after update 2 are skipped
     q = summary["queue"]
-    assert q["trained"] == 4 * STEPS
+    assert q["trained"] == 4 * STEPS + summary["requeued_after_rollback"]  # lost ones too
     assert q["submitted"] == (q["trained"] + q["dropped"] + q["pending"] + q["leased"]
                               + q["ready"]), q
-    assert other == {"process_index": 1, "processes": 2, "updates": STEPS, "steps": STEPS,
+    assert other == {"process_index": 1, "processes": 2, "updates": STEPS, "steps": final,
                      "workdir": str(tmp_path / "trainer1")}
     lineage = read_jsonl(tmp_path / "trainer0" / "trained_groups.jsonl")
-    assert [l["update"] for l in lineage] == list(range(1, STEPS + 1))
-    assert [l["version"] for l in lineage] == list(range(1, STEPS + 1))
+    assert [l["update"] for l in lineage] == list(range(1, STEPS + 1))  # cut back, redone
+    versions = [l["version"] for l in lineage]
+    assert versions[:2] == [1, 2] and versions == sorted(versions) and versions[-1] == final
     groups = [g for l in lineage for g in l["groups"]]
-    assert len(groups) == len(set(groups)) == 4 * STEPS
+    assert len(groups) == len(set(groups)) == 4 * STEPS  # none trained twice
+    tasks = [t["task_id"] for l in lineage for t in l["tasks"]]
+    assert len(tasks) == len(set(tasks))  # a requeued task is not trained twice either
     assert {h for l in lineage for h in l["hosts"]} == {"host0"}
     records = read_jsonl(tmp_path / "trainer0" / "metrics.jsonl")
-    assert sum(r["phase"] == "async" for r in records) == STEPS
-    tokens = summary["own_version_tokens"]  # every token re-scored with its version
-    assert tokens["checked"] > 0 and tokens["unchecked"] == 0
-    assert sum(r["phase"] == "eval" for r in records) == 3  # init, before, after
+    trained = [r["updates"] for r in records if r["phase"] == "async"]
+    assert trained[:3] == [1, 2, 3] and trained[-2:] == [3, 4], trained  # 3: the lost one
+    tokens = summary["own_version_tokens"]  # every token re-scored with its version ...
+    assert tokens["checked"] > 0  # ... but the abandoned versions' (no longer held)
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert len(evals) == 4  # init, before; before (resumed), after
     assert not (tmp_path / "trainer1" / "metrics.jsonl").exists()
 
     # the stream: every version's shards written once, by one process, all of them covered
     store = Store.open(f"{root}/stream/")
-    for v in range(STEPS + 1):
-      manifest = fmt.Manifest.from_bytes(store.read(fmt.manifest_key(v)))
+    for v in range(final + 1):
+      raw = store.read(fmt.manifest_key(v))
+      if raw is None:  # the dead run's, cut short
+        continue
+      manifest = fmt.Manifest.from_bytes(raw)
       by_process = []
       for proc in range(2):
         index = json.loads(store.read(fmt.index_key(v, proc)))
@@ -135,7 +180,7 @@ def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypa
               for t in group.values() for s in t.shards}
       assert by_process[0] | by_process[1] == want, v
     sub = Subscriber(f"{root}/stream/")
-    assert sub.poll() == STEPS and not sub.stats.errors  # checksums of every delta
+    assert sub.poll() == final and not sub.stats.errors  # checksums of every delta
 
     # the checkpoint: both processes' parts; restored in another process onto 8 devices
     # in another layout, and here onto one device; the serving bits are the stream's
@@ -150,7 +195,7 @@ def test_two_process_async_trainer_with_a_rollout_host_on_gcs(tmp_path, monkeypa
     assert json.loads(worker.stdout.strip().splitlines()[-1])["resharded_leaves"] > 0
     other_layout = np.load(tmp_path / "other.npz")
     restored = _restore(ckpt_dir, None)
-    assert restored.step == STEPS and restored.stream_version == STEPS
+    assert restored.step == STEPS and restored.stream_version == final
     state = restored.state["state"]
     assert int(state.step) == STEPS
     flat = _flat(state)

@@ -262,7 +262,10 @@ class AsyncTrainer:
     run.state = self.grpo.state
     self.updates = restored.step
     self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
-    self.publisher.resume(run.serve(run.state), restored.stream_version)
+    served = run.serve(run.state)
+    self.publisher.resume(served, restored.stream_version)
+    if self.check is not None:  # the checkpoint's version: groups hosts sampled with it
+      self.check.hold(restored.stream_version, served)
     # versions the dead trainer published after its checkpoint are abandoned: the restored
     # params go out again as the newest version, so hosts are back on this lineage
     self._publish()
