@@ -22,6 +22,13 @@ In-flight weight updates (`update_weights`) happen between steps. Policy "keep" 
 default, as in AReaL/PipelineRL) lets running sequences continue on their existing KV and
 stamps each new token with the version that sampled it; "recompute" re-prefills every
 running sequence's cached tokens under the new weights first.
+
+On a mesh (`sharding`, e.g. `Built.trainer_engine_sharding()`) the programs run SPMD, and
+the mesh may span several jax.distributed processes: then every process builds the same
+engine, submits the same requests in the same order and calls `step` / `update_weights`
+in lockstep. The scheduler is deterministic Python, so each process makes the same
+decisions and hands the programs the same host arrays; every result read back is
+replicated, so each process reads it from its own devices.
 """
 
 from __future__ import annotations
@@ -130,7 +137,9 @@ class DecodeEngine:
     self.scheduler.release(request_id, sample_index)
 
   def update_weights(self, params: Any, version: int) -> None:
-    """New weights between decode steps; running sequences are never dropped."""
+    """New weights between decode steps; running sequences are never dropped. `params`:
+    host arrays, or global arrays on any sharding of the engine's devices (the trainer's:
+    resharded on device, see `EnginePrograms.place_params`)."""
     self.params, self.version = self.programs.place_params(params), version
     if self.weight_update == "recompute":
       running = self.scheduler.cached_ranges()

@@ -116,7 +116,10 @@ class EnginePrograms:
   """The four programs jitted for one engine shape, with trace counts.
 
   With a `sharding`, every program has explicit in/out shardings: params by the rules
-  table, pools by `KV_AXES` (donated, so outputs alias inputs), all else replicated.
+  table, pools by `KV_AXES` (donated, so outputs alias inputs), all else replicated. On a
+  mesh that spans processes, jit takes a host array under the replicated sharding as the
+  global value (every process must pass the same), and a replicated result reads back
+  with `np.asarray` on every process (jax 0.10.2; a sharded one would not).
   """
 
   cfg: ModelConfig
@@ -186,7 +189,10 @@ class EnginePrograms:
     return tuple(jnp.zeros(shape, dtype, device=self.kv_sharding) for _ in range(2))
 
   def place_params(self, params: Any) -> Any:
-    """Params on the programs' shardings (unchanged without a sharding)."""
+    """Params on the programs' shardings (unchanged without a sharding). Global arrays
+    on another sharding of the same devices (the trainer's mesh and rules) move by
+    device_put's jitted reshard, on device: from the training rules that is an all-gather
+    over fsdp, and no device holds more than its block."""
     if self.sharding is None:
       return params
     return jax.device_put(params, param_shardings(self.cfg, self.sharding))

@@ -370,6 +370,18 @@ class Built:
                        "config.engine.num_slots")
     return sharding
 
+  def trainer_engine_sharding(self) -> sharding_lib.Sharding | None:
+    """The trainer's mesh (`config.mesh`, every device of the job) with the decode rules,
+    for an engine that every trainer process builds (`make_engine(params, sharding=...)`)
+    and drives in lockstep: the same requests in the same order, the same steps (see
+    `DecodeEngine`). It takes the trainer's serving params as they are (global arrays by
+    the training rules, here and in `update_weights`) and reshards them on device. None on
+    one device. (`build` checked num_slots against this mesh: both tables split the slots
+    alike.)"""
+    if self.sharding is None:
+      return None
+    return dataclasses.replace(self.sharding, rules=sharding_lib.DECODE_RULES)
+
   def rl_optimizer(self) -> optax.GradientTransformation:
     c = self.config.rl
     return learner.make_optimizer(lr_schedule(c, c.steps), weight_decay=c.weight_decay,

@@ -1,0 +1,81 @@
+"""The decode engine SPMD over two jax.distributed processes (4 simulated CPU devices each,
+one 8-device mesh: the trainer's config.mesh fsdp 4 x expert 2 with the decode rules).
+
+Both processes run `engine_multiprocess_worker.py` in lockstep; process 0 also serves the
+same requests on a 1-device engine."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).parent / "engine_multiprocess_worker.py"
+TIMEOUT = 600
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ)) for i in range(2)]
+  out = []
+  try:
+    for proc in procs:
+      stdout, stderr = proc.communicate(timeout=TIMEOUT)
+      assert proc.returncode == 0, stderr[-4000:]
+      out.append(json.loads(stdout.strip().splitlines()[-1]))
+  finally:  # one failed: the other would wait for it in a collective
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  return out
+
+
+def _arrays(records: dict) -> dict:
+  """Each sample's records as numpy arrays (log-probs as their uint32 bits)."""
+  return {key: {field: np.asarray(value) for field, value in r.items()}
+          for key, r in records.items()}
+
+
+@pytest.mark.multidevice
+def test_both_processes_read_back_the_same_samples(results):
+  assert [r["process"] for r in results] == [0, 1]
+  chex.assert_trees_all_equal(_arrays(results[0]["engine"]), _arrays(results[1]["engine"]))
+
+
+@pytest.mark.multidevice
+def test_cross_process_engine_is_bitwise_the_one_device_engine(results):
+  got, want = _arrays(results[0]["engine"]), _arrays(results[0]["reference"])
+  assert sorted(got) == sorted(want) and len(got) == 4 * 4 + 2
+  chex.assert_trees_all_equal(got, want)  # token ids, log-prob bits, versions, routing
+  versions = {k: set(r["versions"].tolist()) for k, r in got.items()}
+  assert all(v <= {0, 1} for v in versions.values())
+  assert sum(v == {0, 1} for v in versions.values()) >= 8, versions  # new weights mid-way
+
+
+@pytest.mark.multidevice
+def test_trainer_layout_params_are_resharded_by_the_decode_rules(results):
+  for r in results:
+    p = r["placement"]
+    assert p["trainer_gate_spec"] == "P(None, 'fsdp', 'expert', None)"
+    assert not p["trainer_gate_fully_addressable"]
+    # replicated over fsdp, split over expert: each device holds half the experts
+    assert p["engine_gate_spec"] == "P(None, None, 'expert', None)"
+    assert p["engine_gate_block"][2] * 2 == p["engine_gate_shape"][2]
+    # resharding (an all-gather over fsdp) never made a value larger than one device's
+    # block of the tensor on the engine: no full copy anywhere
+    assert p["reshard_largest_value"] == 1, p
+    assert p["pool_pages"] % 8 == 0 and p["pool_pages_per_device"] * 8 == p["pool_pages"]
