@@ -6,6 +6,9 @@
 Writes <workdir>/metrics.jsonl, TensorBoard events (<workdir>/tb), reward_curve.png and
 the SFT checkpoint. The last line printed is one JSON object: held-out pass@1 before
 (after SFT) and after GRPO, pass@k, steps, wall_s, mismatch_max_abs.
+
+Several processes (rljax.distributed flags, `config.mesh` over all their devices): the
+same command on each, with one --workdir all of them reach.
 """
 
 import sys
@@ -33,8 +36,6 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
-  distributed.require_one_process("the lockstep loop runs its DecodeEngine in the "
-                                  "trainer process")
   config = _CONFIG.value
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_")
   logging.info("devices: %s; workdir: %s", jax.devices(), workdir)

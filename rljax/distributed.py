@@ -21,11 +21,11 @@ A process that dies (kill -9, a lost host) stops sending heartbeats; after
 "another task died"), so a job never hangs on a dead peer: restart every process with
 `--resume` and the run goes on from its last checkpoint.
 
-Helpers for the loops that run on several processes (rljax.pipeline.async_loop):
-`is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the trainer's
-mesh must be every device of the job), `broadcast_bytes` (process 0's bytes to every
-process: the batch it assembled) and `gather` (a pytree of global arrays as numpy on
-every process: the serving params for an engine that lives on one process).
+Helpers for the loops that run on several processes (rljax.pipeline.async_loop,
+.lockstep): `is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the
+trainer's mesh must be every device of the job), `broadcast_bytes` (process 0's bytes to
+every process: the plan of each async update; a barrier) and `gather` (a pytree of global
+arrays as numpy on every process: a full copy, for checks at small scale).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import socket
 import time
 from typing import Any, Mapping
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import numpy as np
 
@@ -111,14 +111,6 @@ def initialize_from_flags() -> bool:
   return initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                     auto=_AUTO.value, local_device_count=_LOCAL_DEVICES.value,
                     timeout_s=_TIMEOUT_S.value, heartbeat_s=_HEARTBEAT_S.value)
-
-
-def require_one_process(why: str) -> None:
-  """Stops an entry point that is not wired for several processes (absl UsageError)."""
-  if jax.process_count() > 1:
-    raise app.UsageError(
-        f"not multi-process: {why}; experiments/pipeline.py (the async trainer) runs on "
-        "several processes")
 
 
 def check_mesh(mesh_shape: Mapping[str, int]) -> None:

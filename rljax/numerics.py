@@ -6,8 +6,10 @@ token's logits are the same bits in a training forward, a prefill and a decode s
 
 * matmuls take bf16 operands, accumulate in f32 and run as one 2-D dot whose row count
   is padded to a multiple of `row_tile` (XLA:CPU's bf16 dot computes each output element
-  with a K-order that is independent of M >= 2 and of N: measured, and re-checked by
-  tests/test_numerics.py). f32 dots are *not* row-invariant on XLA:CPU (Eigen changes
+  with a K-order that is independent of N and of M >= 8; below 8 rows some CPUs take
+  other kernels: 1 row on an AMD EPYC, 2-7 rows on a Xeon with AVX512-BF16 / AMX.
+  Measured, and re-checked by tests/test_numerics.py; on a mesh each device's rows count,
+  see `rljax.engine.engine.check_slots`). f32 dots are *not* row-invariant on XLA:CPU (Eigen changes
   blocking with M), so the bitwise guarantee is for bf16 compute.
 * sums are pairwise trees of elementwise adds (`tree_sum`), never XLA reductions
   (XLA:CPU's reduction order depends on the sizes of the other axes).

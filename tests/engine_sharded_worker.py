@@ -41,7 +41,7 @@ from rljax.pipeline import wire  # noqa: E402
 from rljax.sync import Publisher, Store  # noqa: E402
 
 DET = Numerics("deterministic")
-SLOTS = 16  # 2 per device on 8: the fewest deterministic numerics allows
+SLOTS = 64  # 8 per device on 8: the fewest deterministic numerics allows
 # (model: 2 with data: 4 was bitwise too when measured, but tensor parallelism is not
 # promised: more than 2 shards do not sum in a fixed order)
 LAYOUTS = {"data8": {"data": 8}, "data2_expert4": {"data": 2, "expert": 4}}
@@ -109,7 +109,7 @@ def engine_results():
       out[name]["trainer_bits_equal"] = all(
           np.array_equal(train[k].view(np.uint32), got[k][1].view(np.uint32)) for k in got)
   try:
-    DecodeEngine(cfg, params, numerics=DET, num_slots=8, max_seq_len=64,
+    DecodeEngine(cfg, params, numerics=DET, num_slots=16, max_seq_len=64,
                  sharding=sharding_lib.Sharding(sharding_lib.make_mesh({"data": 8}),
                                                 sharding_lib.DECODE_RULES))
     out["too_few_slots_error"] = None

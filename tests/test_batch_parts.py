@@ -136,8 +136,7 @@ def worker(port: int, process_id: int) -> None:
   config.sft.update(dict(steps=0, target_pass1=0.0))
   config.log.tensorboard = False
   built = build(config, ASYNC_TRAINER)
-  run = core.setup(built, f"/tmp/batch_parts_{port}_{process_id}", engine=False,
-                   write_metrics=False)
+  run = core.setup(built, f"/tmp/batch_parts_{port}_{process_id}", engine=False)
   core.check_batch_parts(run)
   part, parts = core.batch_part(run)
   groups = _groups(run.cfg, np.random.default_rng(0))

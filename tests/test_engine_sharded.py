@@ -49,7 +49,7 @@ def test_page_pool_is_split_over_the_devices_not_replicated(results, layout):
 
 @pytest.mark.multidevice
 def test_deterministic_engine_refuses_one_slot_per_device(results):
-  assert "at least 2 per device (so >= 16), got 8" in results["engine"]["too_few_slots_error"]
+  assert "at least 8 per device (so >= 64), got 16" in results["engine"]["too_few_slots_error"]
 
 
 @pytest.mark.multidevice

@@ -271,15 +271,17 @@ class DecodeEngine:
 
 
 def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int) -> None:
-  """In deterministic numerics every device must decode at least 2 of the slots, the
-  same number each: XLA:CPU's bf16 dot sums each output element in an order independent
-  of its row count M only for M >= 2 (a 1-row dot is a matrix-vector product with another
-  order; measured: 8 slots over 8 devices gave log-probs 1e-6 off the 1-device engine's)."""
+  """In deterministic numerics every device must decode at least `numerics.row_tile` (8)
+  of the slots, the same number each: the row padding that makes a bf16 dot's sums
+  independent of its row count applies to the global rows, and XLA:CPU's bf16 dot sums in
+  another order below 8 rows on some CPUs (measured: 2-7 rows on a Xeon with AVX512-BF16 /
+  AMX, 1 row on an AMD EPYC; 2 slots per device on 8 devices gave log-probs 5e-7 off)."""
   shards = sharding.shards("batch")
-  if numerics.deterministic and (num_slots % shards or num_slots // shards < 2):
+  least = numerics.row_tile
+  if numerics.deterministic and (num_slots % shards or num_slots // shards < least):
     raise ValueError(f"deterministic numerics on a mesh that splits the slots {shards} ways "
-                     f"needs num_slots a multiple of {shards} with at least 2 per device "
-                     f"(so >= {2 * shards}), got {num_slots}")
+                     f"needs num_slots a multiple of {shards} with at least {least} per "
+                     f"device (so >= {least * shards}), got {num_slots}")
 
 
 def _sampling_arrays(seqs: list[Seq | None], width: int):

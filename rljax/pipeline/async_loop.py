@@ -45,12 +45,11 @@ an entry point's local rollout hosts). Each update it broadcasts a plan of the g
 took (ids, result keys, advantages: `share_update`); every process reads the groups of its
 part of the batch rows (`core.batch_part`) from the storage root, packs only those and
 feeds them as its slice of the global batch (`rljax.rl.batch.global_batch`), and all run
-the same jitted sharded GRPO step. Every process publishes the stream shards it holds (Publisher)
-and writes its part of each orbax checkpoint, under `<root>/trainer/` (a directory all of
-them reach; one process keeps them in its workdir). Evaluations run on process 0 only, with
-a DecodeEngine on its first device fed the serving params gathered from all processes
-(the others take part in the gather and move on). SFT runs on every process without
-probes (`sft.target_pass1 = 0`); probes would need an engine on every process.
+the same jitted sharded GRPO step. Every process publishes the stream shards it holds
+(Publisher) and writes its part of each orbax checkpoint, under `<root>/trainer/` (a
+directory all of them reach; one process keeps them in its workdir). Evaluations (and
+SFT's probes) run on one DecodeEngine over the whole mesh that every process drives in
+lockstep (rljax.pipeline.core.setup): no process gathers the params.
 """
 
 
@@ -86,27 +85,6 @@ def group_staleness(version: int, trajs: list[Trajectory]) -> int:
   """Trainer version minus the oldest version that sampled a token of the group."""
   oldest = [t.oldest_version for t in trajs if t.loss_mask.any()]
   return version - min(oldest) if oldest else 0
-
-
-def gathered_params(params: Any) -> Any:
-  """Several processes: the serving params gathered from all of them onto process 0's
-  first device (a collective: every process calls it; None except on process 0)."""
-  gathered = distributed.gather(params)
-  return jax.device_put(gathered, jax.local_devices()[0]) if distributed.is_primary() else None
-
-
-def setup(built: Built, workdir: str) -> core.Run:
-  """`core.setup`, for one trainer process or several. Several: the state on config.mesh
-  over every device of the job, a DecodeEngine (evaluations) on process 0's first device
-  only, metrics from process 0 only."""
-  if jax.process_count() == 1:
-    return core.setup(built, workdir)
-  primary = distributed.is_primary()
-  run = core.setup(built, workdir, engine=False, write_metrics=primary)
-  local = gathered_params(run.serve(run.state))  # a collective: every process
-  if primary:
-    run.engine = built.make_engine(local)
-  return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +153,6 @@ class AsyncTrainer:
     self.primary = distributed.is_primary()
     if self.multi:
       distributed.check_mesh(config.mesh.to_dict())
-      if config.sft.steps and not config.sft.load and config.sft.target_pass1 > 0:
-        raise ValueError(
-            f"{jax.process_count()} trainer processes run SFT without probes only: set "
-            "--config.sft.target_pass1=0, or --config.sft.load=DIR (an SFT checkpoint)")
     self.dir = trainer_dir(root, workdir)
     self.ckpt = Checkpointer(f"{self.dir.rstrip('/')}/checkpoints", keep_last=2)
     latest = self.ckpt.latest_step()
@@ -186,7 +160,7 @@ class AsyncTrainer:
       raise FileExistsError(
           f"{self.dir} holds the checkpoints of an earlier run (update {latest}): pass "
           "--resume to continue it, or use a fresh workdir and root")
-    self.run = setup(built, workdir)
+    self.run = core.setup(built, workdir)
     self.store = Store.open(check_root(root))
     self.lineage = Lineage(self.run.log.workdir)
     self.part = core.batch_part(self.run)  # (this process's part, parts) of every batch
@@ -241,14 +215,9 @@ class AsyncTrainer:
     return evals
 
   def evaluate(self, step: int, name: str) -> dict:
-    """core.run_eval; with several processes on process 0 only, with gathered params
-    (every process must call it: the gather is a collective)."""
-    if not self.multi:
-      return core.run_eval(self.run, step, name)
-    local = gathered_params(self.run.serve(self.run.state))
-    if not self.primary:
-      return {"name": name}
-    return core.run_eval(self.run, step, name, params=local)
+    """core.run_eval (several processes: every one runs the SPMD engine; the figures are
+    the same on all of them, process 0 writes them)."""
+    return core.run_eval(self.run, step, name)
 
   def _queue_config(self) -> QueueConfig:
     return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
@@ -303,7 +272,7 @@ class AsyncTrainer:
     self.publish_times[self.run.version] = time.time()
     if self.check is not None:
       self.check.hold(self.run.version, params)
-    if not self.multi:  # several processes: process 0's engine gets weights at evaluations
+    if not self.multi:  # several processes: the engine gets weights at evaluations
       self.run.engine.update_weights(params, self.run.version)
 
   def _top_up(self, tasks: Iterator) -> None:
@@ -459,7 +428,9 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
   if not trainer.primary:  # process 0 writes the run's outputs
     run.log.close()
     return {"process_index": jax.process_index(), "processes": jax.process_count(),
-            "updates": trainer.updates, "steps": run.version}
+            "updates": trainer.updates, "steps": run.version,
+            # every process ran the evaluation (SPMD): process 0's figure, computed here too
+            "heldout_pass1_after": evals[-1]["pass1"]}
   by_name = {e["name"]: e for e in evals}
   if "init" not in by_name:  # resumed: the init eval is in the first process's log
     by_name["init"] = {"name": "init", "pass1": None}

@@ -109,11 +109,12 @@ class Run:
                 num_rows=rows_for(num_seqs, self.max_seq_len, row_len, self.cfg.page_size))
 
 
-def setup(built: Built, workdir: str, *, engine: bool = True,
-          write_metrics: bool = True) -> Run:
+def setup(built: Built, workdir: str, *, engine: bool = True) -> Run:
   """The run's held-out tasks, initial params, engine and metrics logger. `engine=False`:
-  no DecodeEngine (a trainer of several processes builds one on process 0 only);
-  `write_metrics=False`: records are made but not written (processes other than 0)."""
+  no DecodeEngine. The engine runs on the trainer's mesh with the decode rules
+  (`Built.trainer_engine_sharding`). Several processes (jax.distributed): each holds its
+  part of the params and the same engine, one SPMD program over the whole mesh that every
+  process drives in lockstep; records are written by process 0 only."""
   config, cfg = built.config, built.cfg
   heldout = built.env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
   hf_dir = init_from_hf(config)
@@ -124,9 +125,10 @@ def setup(built: Built, workdir: str, *, engine: bool = True,
                             else param_shardings(cfg, built.sharding))
   serve = jax.jit(lambda state: learner.serving_params(state, cfg))
   state = params_only(params)
-  decode = built.make_engine(serve(state), sharding=built.sharding) if engine else None
-  log = (MetricsLogger(workdir, tensorboard=config.log.tensorboard) if write_metrics
-         else NullLogger(workdir))
+  decode = (built.make_engine(serve(state), sharding=built.trainer_engine_sharding())
+            if engine else None)
+  log = (MetricsLogger(workdir, tensorboard=config.log.tensorboard)
+         if jax.process_index() == 0 else NullLogger(workdir))
   log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
                        "processes": jax.process_count()})
   return Run(built, heldout, decode, state, serve, log,
@@ -348,15 +350,17 @@ def train_on_groups(run: Run, grpo_state: GrpoLearner,
                     groups: Sequence[Sequence[Trajectory]],
                     advantages: Advantages | None = None) -> dict:
   """One GRPO update; run.version advances. `groups`: the whole batch (`rl.prompts_per_step`
-  groups of `rl.group_size` scored episodes), or, with several processes, this process's
-  part of it (`batch_part`) with the whole batch's `advantages`. Returns the step's metrics
+  groups of `rl.group_size` scored episodes; several processes pack and feed only their
+  part of it), or this process's part (`batch_part`) with the whole batch's `advantages`
+  (the async trainer: only process 0 holds every group). Returns the step's metrics
   (with the advantage statistics where `advantages` is computed here); its
   `mismatch_max_abs` is left out when no token of the batch was sampled by the version
   trained (`mismatch_tokens` 0)."""
   c = run.config.rl
   part, parts = batch_part(run)
-  if advantages is None:
+  if advantages is None:  # the whole batch, on every process: each trains on its part
     advantages = advantages_of(run, grpo_state, groups)
+    groups = groups[part * len(groups) // parts:(part + 1) * len(groups) // parts]
   per_part = len(advantages.values) // parts
   trajs = [t for g in groups for t in g]
   if len(trajs) != per_part:

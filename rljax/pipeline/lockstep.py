@@ -2,7 +2,12 @@
 
     init ─► SFT warm start (or an SFT checkpoint) ─► eval ─► [rollout v ─► update ─► v+1]* ─► eval
 
-One process holds the train state and a DecodeEngine. Each GRPO step samples a group of
+One process holds the train state and a DecodeEngine, or several (jax.distributed) hold
+them together: the state on config.mesh over all their devices, one SPMD engine over the
+same mesh that each drives in lockstep (every process samples the same groups), each
+packing and feeding its part of every batch; process 0 writes the metrics, and the
+workdir must be one directory all of them reach (the orbax checkpoints are written there
+by all of them). Each GRPO step samples a group of
 episodes per train task with the serving params of version v (the bf16 cast of the f32
 masters), scores them with the env, and runs one update (`core.train_on_groups`); the
 engine then gets version v+1. Held-out evaluation (greedy pass@1, sampled pass@k) runs at
@@ -19,8 +24,10 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+import jax
 import ml_collections
 
+from rljax import distributed
 from rljax.pipeline import core
 from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
@@ -91,6 +98,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
         "checkpoints and cannot resume: use a fresh workdir (--config.sft.load="
         f"{sft_dir} reuses its warm start), or experiments/pipeline.py --resume for a "
         "resumable run")
+  if jax.process_count() > 1:  # every process checked the workdir before any writes to it
+    distributed.check_mesh(config.mesh.to_dict())
+    distributed.broadcast_bytes(b"checked" if distributed.is_primary() else None)
   run = core.setup(built, workdir)
   evals = [core.run_eval(run, 0, "init")]
   extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
@@ -103,6 +113,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   run.log.write("summary", run.version, {k: v for k, v in summary.items()
                                          if isinstance(v, (int, float))})
   run.log.close()
-  plot_reward_curve(read_jsonl(run.log.jsonl_path), os.path.join(workdir, "reward_curve.png"),
-                    title=f"{config.name} seed {config.seed} ({run.numerics.mode})")
+  if distributed.is_primary():
+    plot_reward_curve(read_jsonl(run.log.jsonl_path), os.path.join(workdir, "reward_curve.png"),
+                      title=f"{config.name} seed {config.seed} ({run.numerics.mode})")
   return summary

@@ -124,7 +124,7 @@ def check_mesh_axes(mesh: Mapping[str, Any], field: str) -> None:
 
 def check_engine_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int,
                        field: str) -> None:
-  """`engine.check_slots` (deterministic numerics: >= 2 slots per device) as a ConfigError
+  """`engine.check_slots` (deterministic numerics: >= 8 slots per device) as a ConfigError
   naming `field`."""
   try:
     check_slots(sharding, numerics, num_slots)
