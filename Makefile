@@ -21,10 +21,13 @@ install: .venv/.installed
 run: install
 	$(PY) experiments/pipeline.py --config=configs/arith_tiny.py
 
-# Serial on purpose (no -n): 2 cores, and some tests spawn subprocesses.
+# Two pytest-xdist workers (one per core), each taking whole test files (--dist loadfile:
+# a module's fixtures are built once) in the order tests/conftest.py puts them, heaviest
+# first (--no-loadscope-reorder keeps that order). PYTEST_ARGS comes last, so e.g.
+# PYTEST_ARGS="-n 0 tests/test_moe.py" runs one file serially.
 # pytest exit 5 (no tests collected) is reported and propagated.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "ERROR: pytest ran no tests (exit 5)"; fi; exit $$rc
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "ERROR: pytest ran no tests (exit 5)"; fi; exit $$rc
 
 bench: install
 	@set -e; for f in experiments/bench_*.py; do \

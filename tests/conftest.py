@@ -40,3 +40,19 @@ def tiny_params(tiny_cfg):
   # attention sharp enough that a one-ulp difference would show.
   params = init_params(tiny_cfg, jax.random.key(0), "float32")
   return cast(scale_matrices(params, 10.0), "bfloat16")
+
+
+# `make test` hands whole files to two pytest-xdist workers in collection order
+# (--dist loadfile --no-loadscope-reorder), so the files with the most work (cold compile
+# cache) go first and the last ones to start are short; the rest keep pytest's order.
+HEAVIEST_FIRST = (
+    "test_pipeline.py", "test_engine.py", "test_learner.py", "test_sharded.py",
+    "test_notebooks.py", "test_model_invariance.py", "test_async_pipeline.py",
+    "test_engine_sharded.py", "test_multihost.py", "test_learning.py", "test_scan_layers.py",
+    "test_hf_import.py", "test_rollout_host.py", "test_own_checkpoint_e2e.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file

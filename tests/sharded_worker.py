@@ -1,7 +1,10 @@
 """Runs in its own process with 8 simulated CPU devices (see test_sharded.py).
 
+  sharded_worker.py [DTYPE [MODE]]   bfloat16 | float32, deterministic | fast (default: all)
+
 Prints one JSON object: per mesh layout, the max |difference| of det/fast log-probs from
-the single-device run, and of gradients (f32) from the single-device gradients.
+the single-device run, and of gradients (f32) from the single-device gradients. The test
+runs one (dtype, mode) per process, so no test waits for all four.
 """
 
 import os
@@ -42,7 +45,7 @@ LAYOUTS = {
 }
 
 
-def main():
+def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast")):
   assert jax.device_count() == 8, jax.devices()
   base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
   rng = np.random.default_rng(0)
@@ -58,23 +61,26 @@ def main():
                      targets=batch[3], sharding=sharding).logprobs
 
     def loss(params, batch):
-      return -jnp.sum(lp(params, batch) * batch[4]) / batch[4].sum()
+      logprobs = lp(params, batch)
+      return -jnp.sum(logprobs * batch[4]) / batch[4].sum(), logprobs
 
     batch = (p.tokens, p.positions, p.segment_ids, targets, mask)
     if sharding is not None:
       params = jax.device_put(params, param_shardings(cfg, sharding))
       batch = jax.device_put(batch, sharding.named(("batch", None)))
-    logprobs = jax.jit(lp)(params, batch)
-    grads = jax.jit(jax.grad(loss))(params, batch) if cfg.dtype == "float32" else None
+    if cfg.dtype != "float32":
+      return np.asarray(jax.jit(lp)(params, batch)), None
+    # f32: the log-probs and the gradients from one program (one compile per layout)
+    (_, logprobs), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch)
     return np.asarray(logprobs), grads
 
   results = {}
-  for dtype in ("bfloat16", "float32"):
+  for dtype in dtypes:
     cfg = ModelConfig.from_dict({**tiny_moe.get_config().model.to_dict(), "dtype": dtype,
                                  "param_dtype": dtype}).resolved("cpu", "deterministic")
     params = init_params(cfg, jax.random.key(0), "float32")
     params = cast(scale_matrices(params, 10.0), dtype)
-    for mode in ("deterministic", "fast"):
+    for mode in modes:
       numerics = Numerics(mode)
       ref_lp, ref_grads = run(cfg, params, numerics, None)
       for name, shape in LAYOUTS.items():
@@ -90,4 +96,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  main(*([a] for a in sys.argv[1:3]))
