@@ -1,5 +1,7 @@
-"""The fast-mode expert paths (rljax.model.moe): dense, ragged and tiled agree, in values
-and in gradients, and the tile plan covers every routed slot with one expert per tile."""
+"""The expert paths (rljax.model.moe): in fast mode dense, ragged and tiled agree, in values
+and in gradients; in deterministic mode the routed-only tiles give the dense path's bits
+for any routing, tile size and token count, at a fraction of its FLOPs; the tile plan
+covers every routed slot with one expert per tile."""
 
 import chex
 import jax
@@ -12,6 +14,7 @@ from rljax.model import ModelConfig, moe
 from rljax.numerics import Numerics
 
 FAST = Numerics("fast")
+DET = Numerics("deterministic")
 
 
 def _problem(t, d, e, f, k, dtype, seed=0, extra_ids=2):
@@ -53,6 +56,40 @@ def test_tiled_gradients_equal_the_dense_paths():
   grads = {p: jax.jit(jax.grad(lambda *a, p=p: loss(p, *a), argnums=(0, 1, 2, 3)))(
       x, gate, up, down) for p in ("dense", "tiled")}
   chex.assert_trees_all_close(grads["tiled"], grads["dense"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_tile", [8, 32, 128])
+def test_deterministic_routed_tiles_give_the_dense_paths_bits(row_tile):
+  # skewed routing (expert 0 takes most slots), slots of another shard (offset 2), token
+  # counts that fill tiles differently: every slot's output is the dense path's, bitwise
+  x, ids, gate, up, down = _problem(96, 64, 8, 32, 2, jnp.bfloat16, seed=3)
+  ids = ids.at[::3, 0].set(2)
+  for t in (96, 37, 5, 1):
+    args = (x[:t], ids[:t], gate, up, down)
+    dense, tiled = (jax.jit(lambda *a, path=path: moe.experts_local(
+        *a, 2, DET, path, row_tile))(*args) for path in ("dense", "tiled"))
+    chex.assert_trees_all_equal(tiled, dense)
+    # and a token's outputs do not depend on its companions
+    chex.assert_trees_all_equal(tiled[t - 1:], jax.jit(lambda *a: moe.experts_local(
+        *a, 2, DET, "tiled", row_tile))(x[t - 1:t], ids[t - 1:t], gate, up, down))
+
+
+def test_deterministic_routed_tiles_cost_the_routed_flops():
+  # 32 experts, top-2, 512 tokens: dense computes 16x the routed expert FLOPs; the tiles
+  # compute the routed ones plus under one tile of padding per expert. XLA's cost analysis
+  # counts a loop body once, so the tiled path's FLOPs are its compiled loop's trip count
+  # (read from the executable) times one tile's three (tile x d) @ (d x f)-sized dots.
+  t, d, e, f, k, tile = 512, 64, 32, 32, 2, 32
+  x, ids, gate, up, down = _problem(t, d, e, f, k, jnp.bfloat16, seed=4, extra_ids=0)
+  compiled = {path: jax.jit(lambda *a, path=path: moe.experts_local(
+      *a, 0, DET, path, tile)).lower(x, ids, gate, up, down).compile() for path in
+              ("dense", "tiled")}
+  n_tiles = -(-t * k // tile) + e
+  assert f'"known_trip_count":{{"n":"{n_tiles}"}}' in compiled["tiled"].as_text()
+  routed = 2 * t * k * 3 * d * f  # gate, up, down per routed slot
+  tiled = n_tiles * 2 * tile * 3 * d * f
+  assert tiled <= 2 * routed  # routed + at most one tile per expert (here 32 of 64 tiles)
+  assert compiled["dense"].cost_analysis()["flops"] >= 0.9 * e / k * routed  # 16x
 
 
 @pytest.mark.parametrize("row_tile", [1, 4, 16])

@@ -53,13 +53,14 @@ class ModelConfig:
   # One-token decode steps over paged KV: "reference" (jnp), "pallas", "pallas_interpret"
   # (CPU tests); "auto" = "pallas" on GPU in fast mode, "reference" otherwise.
   decode_attention: str = "auto"
-  # Fast-mode expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped
-  # GEMM on GPU/TPU), "tiled" (only the routed experts, in fixed tiles of
-  # `expert_row_tile` rows, one batched dot) or "dense" (every expert for every token).
-  # XLA:CPU expands `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for
-  # the training forward (thousands of tokens) and "dense" for the engine's forward (a
-  # KV cache: prefill and decode steps of a few tokens per slot); "ragged" elsewhere.
-  # Deterministic mode has its own path and ignores both.
+  # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
+  # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
+  # one batched dot) or "dense" (every expert for every token). XLA:CPU expands
+  # `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for the training
+  # forward (thousands of tokens) and "dense" for the engine's forward (a KV cache:
+  # prefill and decode steps of a few tokens per slot); "ragged" elsewhere. Deterministic
+  # mode: "dense" is its dense path; any other choice its routed-only tiles (one fixed
+  # (expert_row_tile x D) dot per tile), bit for bit the dense path's outputs.
   train_experts: str = "auto"
   engine_experts: str = "auto"
   expert_row_tile: int = 128

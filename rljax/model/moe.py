@@ -8,10 +8,14 @@ No capacity, no drops: a token's output depends only on the token. Expert paths:
   (XLA:CPU expands `ragged_dot` into masked dense dots over every expert instead).
 * fast, "dense": every expert for every token, each slot's output picked out; the cheapest
   for a few tokens (one engine decode step).
-* deterministic: every local expert is applied to every token with plain 2-D bf16 dots
-  (one per expert for the down projection) whose per-row numerics do not depend on the
-  row count, then each token's chosen experts are picked out. Costs num_experts / top_k times the expert FLOPs; a grouped
-  GEMM with fixed row tiles (a Pallas kernel) is how accelerators should pay less.
+* deterministic, "dense": every local expert applied to every token with plain 2-D bf16
+  dots (one per expert for the down projection) whose per-row numerics do not depend on
+  the row count, then each token's chosen experts picked out: num_experts / top_k times
+  the expert FLOPs, the cheapest for a few tokens.
+* deterministic, any other path: routed experts only, in the fast "tiled" path's tiles,
+  but one fixed-shape 2-D bf16 dot (row_tile x D) @ (D x F) per tile, in a `lax.map`:
+  no split-K, and a row's sums do not depend on its tile's other rows, on how many rows
+  its expert got or on the tile count, so its bits are the dense path's.
 
 Expert parallelism (`expert` mesh axis > 1) runs under `jax.shard_map`: each device
 gathers the tokens of its expert group, computes its own experts for them, and an
@@ -75,10 +79,13 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  if path == "tiled" and not numerics.deterministic:
+  if numerics.deterministic and path != "dense":
+    y = _experts_tiled_deterministic(x, jnp.where(is_local, local, e_local), gate, up,
+                                     down, numerics, row_tile)
+  elif path == "tiled":
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
                        row_tile)
-  elif path == "dense" or numerics.deterministic:  # every local expert, slots picked
+  elif path == "dense":  # every local expert, slots picked
     g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
     u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
     hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
@@ -155,6 +162,29 @@ def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile):
   ys = jnp.einsum("nrf,nfd->nrd", hidden.astype(jnp.float32), as_f32(down)[tile_expert])
   y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
   return y.astype(x.dtype).reshape(t, k, d)
+
+
+def _experts_tiled_deterministic(x, slot_expert, gate, up, down, numerics, row_tile):
+  """Routed experts only, deterministic: the tiles of `tile_plan`, each computed by one
+  fixed-shape 2-D bf16 dot per projection with its expert's weights (numerics.matmul: f32
+  accumulation, the row tile a multiple of numerics.row_tile), tile after tile. A row's
+  result is the dense path's, bit for bit. slot_expert [T, k] -> [T, k, D]."""
+  t, d = x.shape
+  k = slot_expert.shape[1]
+  tile = numerics.pad_rows(row_tile)
+  src, dest, tile_expert = tile_plan(slot_expert.reshape(-1), gate.shape[1], tile)
+  xs = x.at[src // k].get(mode="fill", fill_value=0).reshape(-1, tile, d)
+
+  def one_tile(args):
+    rows, e = args
+    g = numerics.matmul(rows, gate[:, e]).astype(x.dtype)
+    u = numerics.matmul(rows, up[:, e]).astype(x.dtype)
+    hidden = silu(g, numerics).astype(x.dtype) * u
+    return numerics.matmul(hidden, down[e]).astype(x.dtype)
+
+  ys = lax.map(one_tile, (xs, tile_expert))
+  y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
+  return y.reshape(t, k, d)
 
 
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
