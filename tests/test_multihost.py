@@ -270,8 +270,7 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
   port, procs = _free_port(), []
   flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
-      "--config.rl.steps=2", "--config.sft.steps=2", "--config.sft.target_pass1=0",
-      "--config.numerics=deterministic"]
+      "--config.rl.steps=2", "--config.numerics=deterministic"]  # FLAGS: no SFT
   for i in range(2):
     err = open(tmp_path / f"lockstep{i}.err", "w", encoding="utf-8")  # never blocks
     procs.append(subprocess.Popen(
@@ -292,8 +291,8 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   summary, other = outs
   assert summary["steps"] == 2 and summary["mismatch_tokens"] > 0
   assert summary["mismatch_max_abs"] == 0.0  # the trainer re-scored every sampled token
-  for key in ("heldout_pass1_before", "heldout_pass1_after", "mismatch_max_abs",
-              "mismatch_tokens", "sft_nll"):
+  for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass2_after",
+              "mismatch_max_abs", "mismatch_tokens"):
     assert other[key] == summary[key], key  # one SPMD run: the same figures everywhere
   state = tmp_path / "run" / "final_params" / "0" / "state"
   assert (state / "ocdbt.process_0").exists() and (state / "ocdbt.process_1").exists()
