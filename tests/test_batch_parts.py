@@ -14,7 +14,7 @@ groups. Checked in the workers (the test asserts what they print):
 * the fidelity check (re-scoring every token with its version) over the parts reduces to
   the whole batch's figure bit for bit (deterministic log-probs do not depend on packing).
 
-This file is also the worker: `python tests/test_batch_parts.py PORT PROCESS_ID`.
+This file is also the worker: `python tests/test_batch_parts.py PORT PROCESS_ID WORKDIR`.
 """
 
 import json
@@ -38,7 +38,8 @@ def test_each_process_feeds_its_part_and_the_update_is_the_whole_batchs(tmp_path
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, str(HERE), str(port), str(i)], cwd=str(REPO),
+  procs = [subprocess.Popen([sys.executable, str(HERE), str(port), str(i),
+                             str(tmp_path / f"process{i}")], cwd=str(REPO),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   results = []
@@ -112,7 +113,7 @@ def _groups(cfg, rng):
   return groups
 
 
-def worker(port: int, process_id: int) -> None:
+def worker(port: int, process_id: int, workdir: str) -> None:
   sys.path.insert(0, str(REPO))
   from rljax.numerics import install_deterministic_xla_flags
   install_deterministic_xla_flags()
@@ -136,7 +137,7 @@ def worker(port: int, process_id: int) -> None:
   config.sft.update(dict(steps=0, target_pass1=0.0))
   config.log.tensorboard = False
   built = build(config, ASYNC_TRAINER)
-  run = core.setup(built, f"/tmp/batch_parts_{port}_{process_id}", engine=False)
+  run = core.setup(built, workdir, engine=False)
   core.check_batch_parts(run)
   part, parts = core.batch_part(run)
   groups = _groups(run.cfg, np.random.default_rng(0))
@@ -207,4 +208,4 @@ def worker(port: int, process_id: int) -> None:
 
 
 if __name__ == "__main__":
-  worker(int(sys.argv[1]), int(sys.argv[2]))
+  worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
