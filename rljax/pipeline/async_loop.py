@@ -114,28 +114,28 @@ def share_update(take: Callable[[], Update], part: int, parts: int, store: Store
     except BaseException as err:
       distributed.broadcast_bytes(npz.encode({"kind": "error", "message": repr(err)}, {}))
       raise
-    header = {"kind": "update", "group_ids": [r.group_id for r, _ in update.taken],
-              "keys": [r.key for r, _ in update.taken], "versions": update.versions}
-    distributed.broadcast_bytes(npz.encode(header, {"advantages": update.advantages.values,
-                                                    "valid": update.advantages.valid}))
-    groups = [g for _, g in update.taken]
+    ids, keys = [r.group_id for r, _ in update.taken], [r.key for r, _ in update.taken]
+    distributed.broadcast_bytes(npz.encode(
+        {"kind": "update", "group_ids": ids, "keys": keys, "versions": update.versions},
+        {"advantages": update.advantages.values, "valid": update.advantages.valid}))
   else:
     header, arrays = npz.decode(distributed.broadcast_bytes(None))
     if header["kind"] == "error":
       raise RuntimeError(f"trainer process 0 failed: {header['message']}")
+    ids, keys = header["group_ids"], header["keys"]
     update = Update([], core.Advantages(arrays["advantages"], arrays["valid"], {}),
                     header["versions"])
-    groups = [None] * len(header["group_ids"])
-    per_part = len(groups) // parts
-    mine = range(part * per_part, (part + 1) * per_part)
-    raws = store.read_many(header["keys"][i] for i in mine)
-    for i, raw in zip(mine, raws):
-      if raw is None:
-        raise RuntimeError(f"group {header['group_ids'][i]}'s result {header['keys'][i]} is "
-                           "gone from the storage root before its update")
-      groups[i] = wire.group_from_arrays(npz.decode(raw)[1], header["group_ids"][i])
-  per_part = len(groups) // parts
-  return dataclasses.replace(update, groups=groups[part * per_part:(part + 1) * per_part])
+  per_part = len(ids) // parts
+  mine = slice(part * per_part, (part + 1) * per_part)
+  if update.taken is not None:
+    return dataclasses.replace(update, groups=[g for _, g in update.taken][mine])
+  groups = []
+  for gid, key, raw in zip(ids[mine], keys[mine], store.read_many(keys[mine])):
+    if raw is None:
+      raise RuntimeError(f"group {gid}'s result {key} is gone from the storage root before "
+                         "its update")
+    groups.append(wire.group_from_arrays(npz.decode(raw)[1], gid))
+  return dataclasses.replace(update, groups=groups)
 
 
 class AsyncTrainer:
