@@ -19,7 +19,7 @@ import jax
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from rljax import distributed, numerics
+from rljax import compile_cache, distributed, numerics
 from rljax.pipeline.lockstep import run_experiment
 from rljax.pipeline.metrics import json_line
 
@@ -35,6 +35,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
+  compile_cache.enable_from_flags()  # --compile_cache_dir
   distributed.initialize_from_flags()  # no-op unless --num_processes>1 / --distributed
   config = _CONFIG.value
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix=f"rljax_{config.name}_")

@@ -14,7 +14,7 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rljax import numerics
+from rljax import compile_cache, numerics
 from rljax.pipeline import layout
 from rljax.pipeline.host import RolloutHost, RunOver
 
@@ -39,6 +39,7 @@ def main(argv):
     raise app.UsageError("a memory:// root is private to one process; use file:// or gs://")
   layout.probe_root_from_flags(_ROOT.value)
   numerics.set_up_process(_CONFIG.value.numerics)  # before anything starts JAX's backend
+  compile_cache.enable_from_flags()  # --compile_cache_dir
   try:
     host = RolloutHost(_ROOT.value, _CONFIG.value, _HOST_ID.value,
                        first_version_timeout_s=_FIRST_VERSION_TIMEOUT_S.value)

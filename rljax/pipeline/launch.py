@@ -1,5 +1,6 @@
 """What `experiments/pipeline.py` does around the async trainer: start local rollout-host
-processes with the same config flags, and print the run's summary table."""
+processes with the same config (and compile cache) flags, and print the run's summary
+table."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ HOST_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "experiments", "rollout_host.py")
 
 
-def config_args(argv: list[str]) -> list[str]:
-  """The --config flags (file and overrides) of a command line, for the hosts."""
+SHARED_FLAGS = ("--config", "--compile_cache_dir")
+
+
+def host_args(argv: list[str]) -> list[str]:
+  """The flags of a command line the hosts share with it: --config (file and overrides)
+  and --compile_cache_dir."""
   out, args = [], iter(argv[1:])
   for arg in args:
-    if arg.startswith("--config"):
+    if arg.startswith(SHARED_FLAGS):
       if "=" not in arg:  # "--config.x y" form
         arg = f"{arg}={next(args)}"
       out.append(arg)
@@ -29,7 +34,7 @@ def start_hosts(root: str, n: int, workdir: str) -> list[subprocess.Popen]:
     log = open(os.path.join(workdir, f"host{i}.log"), "w", encoding="utf-8")
     procs.append(subprocess.Popen(
         [sys.executable, HOST_SCRIPT, f"--root={root}", f"--host_id=host{i}",
-         *config_args(sys.argv)], stdout=log, stderr=subprocess.STDOUT))
+         *host_args(sys.argv)], stdout=log, stderr=subprocess.STDOUT))
   return procs
 
 
