@@ -1,6 +1,7 @@
 """Deterministic vs fast numerics: exactness and cost, side by side in one run.
 
-Workload (configs/tiny_moe.py, bf16): a training step = jitted value_and_grad of the
+Workload (`--config`, default configs/tiny_moe.py; configs/sparse_moe_tiny.py has
+Qwen3-30B-A3B's 128 experts top-8; bf16): a training step = jitted value_and_grad of the
 masked mean NLL over 8 packed rows of 128 tokens; a decode step = one token for each of
 32 slots over a paged KV cache (8 pages of 16 per slot, 40 tokens already cached).
 Exactness: 8 sequences (lengths 9..70) decoded one token at a time through the paged
@@ -13,7 +14,13 @@ bf16 train step in a child with the flags over one without (a fast-mode process,
 also reports whether XLA contracted a*b+c into an FMA, which the flags forbid).
 `fast_f32_over_bf16`: in the fast-mode children, train and decode steps with f32
 activations and matmuls over bf16 ones (the same bf16 weights; what `ModelConfig.dtype =
-"auto"` chooses between on a CPU). Last line: one JSON object.
+"auto"` chooses between on a CPU).
+Expert paths: `routed_over_dense` is the train step with the routed-only tiles
+(`train_experts="tiled"`) over the dense all-experts path, in each mode, and the fast
+decode step at 256 slots (`engine_experts`); `expert_flops` counts each path's expert
+matmul FLOPs per train step (dense: every expert for every token; tiled: the tiles the
+plan allows), and `xla_flops` is XLA's cost analysis of each whole step (it counts a
+loop body once: the deterministic tiles run in a `lax.map`). Last line: one JSON object.
 """
 
 import dataclasses
@@ -27,9 +34,9 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 
-from configs import tiny_moe
 from experiments import machine_info
 from rljax import numerics as numerics_lib
 from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
@@ -37,6 +44,8 @@ from rljax.model.packing import pack
 from rljax.model.params import cast, scale_matrices
 from rljax.numerics import Numerics
 
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_moe.py",
+                                          "the policy (its `model` block) to measure")
 _PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
 _CALLS = flags.DEFINE_integer("calls", 3, "calls per timing sample (median taken)")
 _ROUNDS = flags.DEFINE_integer("flag_rounds", 3, "child-process pairs for the flags' cost")
@@ -57,11 +66,14 @@ def _decode_vs_train(cfg, params, numerics, seqs):
   return scoring.max_abs_diff(train, decode)
 
 
+TRAIN_ROWS, ROW_LEN = 8, 128
+
+
 def _train_step(cfg, numerics):
   cfg = cfg.resolved(jax.default_backend(), numerics)
   rng = np.random.default_rng(2)
   seqs = [rng.integers(1, cfg.vocab_size, size=int(n)) for n in rng.integers(20, 60, size=16)]
-  p = pack(seqs, 128, cfg.page_size, num_rows=8)
+  p = pack(seqs, ROW_LEN, cfg.page_size, num_rows=TRAIN_ROWS)
   mask = (p.segment_ids > 0).astype(np.float32)
   batch = (p.tokens, p.positions, p.segment_ids, scoring.next_token_targets(p.tokens), mask)
 
@@ -72,7 +84,9 @@ def _train_step(cfg, numerics):
     return -jnp.sum(lp * mask) / jnp.sum(mask)
 
   fn = jax.jit(jax.value_and_grad(loss))
-  return lambda params: fn(params, batch)
+  step = lambda params: fn(params, batch)  # noqa: E731
+  step.jitted, step.args = fn, (batch,)
+  return step
 
 
 def _decode_step(cfg, numerics, slots=32, cached=40, pages_per_slot=8):
@@ -88,7 +102,25 @@ def _decode_step(cfg, numerics, slots=32, cached=40, pages_per_slot=8):
   pos = np.full((slots, 1), cached, np.int32)
   fn = jax.jit(lambda prm, kv: forward(prm, tokens, pos, cfg=cfg, numerics=numerics, kv=kv,
                                        targets=tokens))
-  return lambda params: fn(params, kv)
+  step = lambda params: fn(params, kv)  # noqa: E731
+  step.jitted, step.args = fn, (kv,)
+  return step
+
+
+def _expert_flops(cfg, path):
+  """Expert matmul FLOPs (gate, up, down) of one train step's forward over its tokens."""
+  tokens, k = TRAIN_ROWS * ROW_LEN * len(cfg.moe_layers()), cfg.num_experts_per_tok
+  per_row = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+  if path == "dense":
+    return tokens * cfg.num_experts * per_row
+  tile = cfg.expert_row_tile
+  per_layer = -(-TRAIN_ROWS * ROW_LEN * k // tile) + cfg.num_experts
+  return len(cfg.moe_layers()) * per_layer * tile * per_row
+
+
+def _xla_flops(make, cfg, numerics, params):
+  fn = make(cfg, numerics)
+  return fn.jitted.lower(params, *fn.args).compile().cost_analysis()["flops"]
 
 
 def _time(fn, params, calls):
@@ -117,6 +149,33 @@ def _ratio(make_a, make_b, params):
 def _modes(make, cfg, params):
   return _ratio(lambda: make(cfg, Numerics("deterministic")),
                 lambda: make(cfg, Numerics("fast")), params)
+
+
+def _paths(cfg, params):
+  """Routed-only tiles over the dense all-experts path: train steps in both modes, and the
+  fast decode step at 256 slots; expert and XLA FLOPs of each."""
+  with_path = lambda **kw: dataclasses.replace(cfg, **kw)  # noqa: E731
+  out = {}
+  for mode in ("deterministic", "fast"):
+    num = Numerics(mode)
+    ratio, t_tiled, t_dense = _ratio(
+        lambda: _train_step(with_path(train_experts="tiled"), num),
+        lambda: _train_step(with_path(train_experts="dense"), num), params)
+    out[f"{mode}_train"] = {
+        "routed_over_dense": round(ratio, 3),
+        "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
+        "xla_flops": {p: _xla_flops(_train_step, with_path(train_experts=p), num, params)
+                      for p in ("tiled", "dense")}}
+  fast = Numerics("fast")
+  ratio, t_tiled, t_dense = _ratio(
+      lambda: _decode_step(with_path(engine_experts="tiled"), fast, slots=256),
+      lambda: _decode_step(with_path(engine_experts="dense"), fast, slots=256), params)
+  out["fast_decode_256_slots"] = {
+      "routed_over_dense": round(ratio, 3),
+      "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
+      "tokens_per_s": {"routed": round(256 / t_tiled), "dense": round(256 / t_dense)}}
+  out["expert_flops_per_train_step"] = {p: _expert_flops(cfg, p) for p in ("tiled", "dense")}
+  return out
 
 
 def _fma_contracted() -> bool:
@@ -148,6 +207,7 @@ def _children(rounds):
     pair = {}
     for kind in ("with_det_flags", "fast_process"):
       out = subprocess.run([sys.executable, __file__, f"--child={kind}",
+                            f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
                             f"--pairs={_PAIRS.value}", f"--calls={_CALLS.value}"],
                            env=env, capture_output=True, text=True, check=True).stdout
       pair[kind] = json.loads(out.strip().splitlines()[-1])
@@ -169,7 +229,7 @@ def main(_):
   if _CHILD.value != "fast_process":  # the parent runs both modes
     numerics_lib.install_deterministic_xla_flags()
   # resolved for deterministic numerics: both modes measured on the same (reference) paths
-  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved(
+  cfg = ModelConfig.from_dict(_CONFIG.value.model.to_dict()).resolved(
       jax.default_backend(), "deterministic")
   params = _params(cfg)
   if _CHILD.value:
@@ -182,8 +242,10 @@ def main(_):
   train, t_train_det, t_train_fast = _modes(_train_step, cfg, params)
   dec, t_dec_det, t_dec_fast = _modes(_decode_step, cfg, params)
   print(json.dumps({
-      "workload": "tiny_moe bf16; train: fwd+bwd 8x128 packed; decode: 32 slots x 1 token, "
-                  "40 cached; exactness: 8 seqs (9..70 tokens) paged decode vs train forward",
+      "workload": f"{config_flags.get_config_filename(flags.FLAGS['config'])} "
+                  f"({cfg.num_experts} experts, top-{cfg.num_experts_per_tok}) bf16; train: "
+                  "fwd+bwd 8x128 packed; decode: 32 slots x 1 token, 40 cached; exactness: 8 "
+                  "seqs (9..70 tokens) paged decode vs train forward",
       "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
       "det_max_abs_logprob_diff": det_diff,
       "fast_max_abs_logprob_diff": fast_diff,
@@ -191,6 +253,10 @@ def main(_):
       "det_over_fast_decode_step": round(dec, 3),
       "train_step_ms": {"det": round(1e3 * t_train_det, 2), "fast": round(1e3 * t_train_fast, 2)},
       "decode_step_ms": {"det": round(1e3 * t_dec_det, 2), "fast": round(1e3 * t_dec_fast, 2)},
+      "xla_flops": {m: {"train": _xla_flops(_train_step, cfg, Numerics(m), params),
+                        "decode": _xla_flops(_decode_step, cfg, Numerics(m), params)}
+                    for m in ("deterministic", "fast")},
+      "expert_paths": _paths(cfg, params),
       **_children(_ROUNDS.value),
       "pairs": _PAIRS.value,
       "machine": machine_info.machine(),
