@@ -68,9 +68,11 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
   assert arrays["layers/dense/attn/q_norm"]["f32_per_device"] == hd * 4
   # KV pages: 1 + slots * blocks pages rounded up to a multiple of the slots' shards
   # (fsdp x expert: the decode rules split the pages with the slots), k and v, kv heads over
-  # `model`, in the compute dtype's bits: f32 (fast numerics on a CPU computes in f32)
+  # `model`, in the compute dtype's bits: fast numerics on a CPU computes in f32 unless it
+  # has native bf16 dots (ModelConfig.dtype "auto")
+  from rljax.model.config import cpu_has_native_bf16  # pylint: disable=import-outside-toplevel
   num_pages = 4 * math.ceil((1 + 8 * math.ceil(64 / page)) / 4)
-  kv_total = layers * num_pages * page * kv * hd * 2 * 4
+  kv_total = layers * num_pages * page * kv * hd * 2 * (2 if cpu_has_native_bf16() else 4)
   assert tiny["kv"]["num_pages"] == num_pages == 36
   assert tiny["kv"]["spec"] == "P(None, ('fsdp', 'expert'), None, 'model', None)"
   assert tiny["global_bytes"]["kv_pages"] == kv_total
