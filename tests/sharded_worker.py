@@ -1,6 +1,7 @@
 """Runs in its own process with 8 simulated CPU devices (see test_sharded.py).
 
-  sharded_worker.py [DTYPE [MODE]]   bfloat16 | float32, deterministic | fast (default: all)
+  sharded_worker.py [DTYPE [MODE [LAYOUT,...]]]   bfloat16 | float32, deterministic | fast,
+                                                names of LAYOUTS (default: all)
 
 Prints one JSON object: per mesh layout, the max |difference| of det/fast log-probs from
 the single-device run, and of gradients (f32) from the single-device gradients. The test
@@ -45,7 +46,7 @@ LAYOUTS = {
 }
 
 
-def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast")):
+def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast"), layouts=tuple(LAYOUTS)):
   assert jax.device_count() == 8, jax.devices()
   base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
   rng = np.random.default_rng(0)
@@ -83,8 +84,8 @@ def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast")):
     for mode in modes:
       numerics = Numerics(mode)
       ref_lp, ref_grads = run(cfg, params, numerics, None)
-      for name, shape in LAYOUTS.items():
-        sharding = sharding_lib.Sharding(sharding_lib.make_mesh(shape))
+      for name in layouts:
+        sharding = sharding_lib.Sharding(sharding_lib.make_mesh(LAYOUTS[name]))
         lp, grads = run(cfg, params, numerics, sharding)
         entry = {"logprob_max_abs_diff": float(np.max(np.abs(lp - ref_lp) * mask))}
         if grads is not None:
@@ -96,4 +97,4 @@ def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast")):
 
 
 if __name__ == "__main__":
-  main(*([a] for a in sys.argv[1:3]))
+  main(*([a] for a in sys.argv[1:3]), *(a.split(",") for a in sys.argv[3:4]))

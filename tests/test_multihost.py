@@ -45,7 +45,7 @@ FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
     "--config.async_rl.check_versions_groups=1000",
     f"--config.rl.steps={STEPS}", "--config.rl.prompts_per_step=4",
-    "--config.rl.group_size=4", "--config.eval.num_tasks=4", "--config.eval.n=2",
+    "--config.rl.group_size=4", "--config.eval.num_tasks=2", "--config.eval.n=2",
     "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=64",
     "--config.async_rl.host_groups=4", "--config.async_rl.checkpoint_every=2",
     "--config.async_rl.lease_ttl_s=4",

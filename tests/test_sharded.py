@@ -1,7 +1,7 @@
 """8-device CPU mesh vs one device (the worker runs in its own process, since the device
-count must be set before JAX starts). One worker process per (dtype, mode), started by
-the first test that needs it: 7 layouts x (1 + 7 programs) would make one test wait for
-all 32 compiles."""
+count must be set before JAX starts). One worker process per (dtype, mode) (f32: per half
+of the layouts, each a value-and-grad compile), started by the first test that needs it:
+7 layouts x (1 + 7 programs) would make one test wait for all 32 compiles."""
 
 import json
 import pathlib
@@ -13,23 +13,25 @@ import pytest
 WORKER = pathlib.Path(__file__).parent / "sharded_worker.py"
 BITWISE_LAYOUTS = ("data8", "fsdp8", "expert8", "data2_fsdp2_expert2", "expert4_fsdp2")
 MODES = ("deterministic", "fast")
+F32_PARTS = (("data8", "fsdp8", "expert8", "data2_fsdp2_expert2"),
+             ("expert4_fsdp2", "model2_data4", "model4_data2"))  # every layout of the worker
 
 
 @pytest.fixture(scope="module")
 def results():
-  """results(dtype, mode): the worker's JSON for that part, run once per module."""
+  """results(dtype, mode[, layouts]): the worker's JSON for that part, run once per module."""
   done = {}
 
-  def get(dtype, mode):
-    if (dtype, mode) not in done:
-      proc = subprocess.run([sys.executable, str(WORKER), dtype, mode], capture_output=True,
-                            text=True, timeout=900)
+  def get(dtype, mode, layouts=()):
+    if (dtype, mode, layouts) not in done:
+      proc = subprocess.run([sys.executable, str(WORKER), dtype, mode, *(
+          [",".join(layouts)] if layouts else [])], capture_output=True, text=True, timeout=900)
       assert proc.returncode == 0, proc.stderr[-4000:]
       out = json.loads(proc.stdout.strip().splitlines()[-1])
       assert out and all(k.startswith(f"{dtype}/{mode}/") for k in out), list(out)
       print(json.dumps(out, indent=1))
-      done[dtype, mode] = out
-    return done[dtype, mode]
+      done[dtype, mode, layouts] = out
+    return done[dtype, mode, layouts]
 
   return get
 
@@ -42,13 +44,14 @@ def test_det_bf16_sharded_logprobs_are_bitwise_single_device(results, layout):
 
 
 @pytest.mark.multidevice
+@pytest.mark.parametrize("layouts", F32_PARTS, ids=("first_half", "second_half"))
 @pytest.mark.parametrize("mode", MODES)
-def test_f32_forward_and_gradients_match_single_device(results, mode):
+def test_f32_forward_and_gradients_match_single_device(results, mode, layouts):
   """f32 everywhere, so the only differences are summation orders: the expert-parallel
   backward sums token gradients with a psum_scatter, f32 GEMMs block rows differently
   per shard. Relative gradient error is O(eps_f32 * log(terms)) ~ 1e-6; bound at 1e-5."""
-  out = results("float32", mode)
-  assert len(out) == 7, list(out)  # every layout
+  out = results("float32", mode, layouts)
+  assert sorted(out) == sorted(f"float32/{mode}/{name}" for name in layouts)
   for key, entry in out.items():
     assert entry["logprob_max_abs_diff"] < 1e-5, (key, entry)
     assert entry["grad_max_abs_diff_rel"] < 1e-5, (key, entry)
