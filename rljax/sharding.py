@@ -98,6 +98,7 @@ class Sharding:
     axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
+  @functools.lru_cache(maxsize=None)
   def process_part(self, logical: str) -> tuple[int, int]:
     """(this process's part, how many parts) of an axis split by `logical` across the
     processes of a multi-process mesh: each part is the set of indices one process's

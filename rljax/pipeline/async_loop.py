@@ -267,13 +267,11 @@ class AsyncTrainer:
     unless a dead trainer published past our checkpoint)."""
     newest = self.publisher.version
     self.run.version = 0 if newest is None else newest + 1
-    params = self.run.serve(self.run.state)  # read-only from here on: shared by all three
+    params = self.run.serve(self.run.state)  # read-only from here on: shared by both
     self.publisher.publish(params, self.run.version)
     self.publish_times[self.run.version] = time.time()
     if self.check is not None:
       self.check.hold(self.run.version, params)
-    if not self.multi:  # several processes: the engine gets weights at evaluations
-      self.run.engine.update_weights(params, self.run.version)
 
   def _top_up(self, tasks: Iterator) -> None:
     """Keeps enough groups submitted that hosts never wait on the trainer for work."""
