@@ -1,0 +1,54 @@
+"""experiments/device_check.py --quick on CPU: rc 0, the last line one JSON object, and its
+checks passed. The whole quick run is ~65 s here, so it runs in two halves (`--sections`):
+the kernels with engine = trainer, and the det/fast step cost; a third run checks that a
+failing section is reported in the JSON while the others still run."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "device_check.py"
+
+
+def _run(*args: str) -> tuple[int, dict]:
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", *args], cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                        text=True, timeout=85, check=False)
+  lines = proc.stdout.strip().splitlines()
+  assert lines, proc.stderr[-3000:]
+  return proc.returncode, json.loads(lines[-1])
+
+
+def test_kernels_and_engine_equals_trainer():
+  rc, report = _run("--sections=platform,grouped_matmul,paged_attention,engine_vs_trainer")
+  assert rc == 0 and report["ok"] is True, report
+  assert report["platform"]["backend"] == "cpu"
+  gmm = report["grouped_matmul"]
+  assert gmm["batch_invariant_bitwise"] is True
+  assert gmm["small"]["batch_invariance"] == {"n1": True, "n5": True, "permuted": True}
+  assert 0.0 <= gmm["small"]["max_diff_over_bound"] <= 1.0
+  assert "skipped" in gmm["qwen3_30b_a3b"]
+  assert report["paged_attention"]["ok"] is True
+  assert report["engine_vs_trainer"]["deterministic_max_abs_logprob_diff"] == 0.0
+  assert math.isfinite(report["engine_vs_trainer"]["fast_max_abs_logprob_diff"])
+
+
+def test_det_fast_cost_in_separate_processes():
+  rc, report = _run("--sections=det_fast_cost")
+  assert rc == 0 and report["ok"] is True, report
+  cost = report["det_fast_cost"]
+  assert cost["separate_processes"] is True
+  for key in ("det_over_fast_train_step", "det_over_fast_decode_step"):
+    assert math.isfinite(cost[key]) and cost[key] > 0, cost
+  assert cost["paths"]["deterministic"]["train_experts"] == "tiled"
+
+
+def test_a_failing_section_is_reported_and_the_rest_run():
+  rc, report = _run("--sections=platform,det_fast_cost", "--config=configs/no_such.py")
+  assert rc == 1 and report["ok"] is False and report["failed"] == ["det_fast_cost"], report
+  assert "no_such.py" in report["det_fast_cost"]["error"]
+  assert report["platform"]["ok"] is True
