@@ -17,10 +17,13 @@ activations and matmuls over bf16 ones (the same bf16 weights; what `ModelConfig
 "auto"` chooses between on a CPU).
 Expert paths: `routed_over_dense` is the train step with the routed-only tiles
 (`train_experts="tiled"`) over the dense all-experts path, in each mode, and the fast
-decode step at 256 slots (`engine_experts`); `expert_flops` counts each path's expert
-matmul FLOPs per train step (dense: every expert for every token; tiled: the tiles the
-plan allows), and `xla_flops` is XLA's cost analysis of each whole step (it counts a
-loop body once: the deterministic tiles run in a `lax.map`). Last line: one JSON object.
+decode step at 256 slots (`engine_experts`), and the whole fast engine generating for 256
+requests at once (16-token prompts, 32 new tokens: `fast_engine_256_slots`, tokens/s);
+`expert_flops` counts each path's expert matmul FLOPs per train step (dense: every expert
+for every token; tiled: the tiles the plan allows), and `xla_flops` is XLA's cost analysis
+of each whole step. `qwen3_30b_a3b_moe_layer_flops_over_routed_4096_tokens`: one MoE
+layer of that model's shape on 4,096 tokens, XLA's FLOPs over the routed expert FLOPs, per
+mode. Last line: one JSON object.
 """
 
 import dataclasses
@@ -37,8 +40,11 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from configs import qwen3_30b_a3b
 from experiments import machine_info
+from rljax import aot
 from rljax import numerics as numerics_lib
+from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
 from rljax.model.packing import pack
 from rljax.model.params import cast, scale_matrices
@@ -174,7 +180,50 @@ def _paths(cfg, params):
       "routed_over_dense": round(ratio, 3),
       "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
       "tokens_per_s": {"routed": round(256 / t_tiled), "dense": round(256 / t_dense)}}
+  ratio, t_tiled, t_dense = _ratio(lambda: _engine_run(with_path(engine_experts="tiled")),
+                                   lambda: _engine_run(with_path(engine_experts="dense")), params)
+  tokens = ENGINE_SLOTS * ENGINE_NEW
+  out[f"fast_engine_{ENGINE_SLOTS}_slots"] = {
+      "routed_over_dense": round(ratio, 3),
+      "tokens_per_s": {"routed": round(tokens / t_tiled), "dense": round(tokens / t_dense)}}
   out["expert_flops_per_train_step"] = {p: _expert_flops(cfg, p) for p in ("tiled", "dense")}
+  return out
+
+
+ENGINE_SLOTS, ENGINE_PROMPT, ENGINE_NEW = 256, 16, 32
+
+
+def _engine_run(cfg):
+  """The fast-mode engine generating for ENGINE_SLOTS requests at once (prompts of
+  ENGINE_PROMPT tokens, ENGINE_NEW greedy tokens each, no stop): admission, prefill, the
+  decode loop and the scheduler, end to end."""
+  fast = Numerics("fast")
+  cfg = cfg.resolved(jax.default_backend(), fast)
+  prompts = np.random.default_rng(4).integers(1, cfg.vocab_size,
+                                              size=(ENGINE_SLOTS, ENGINE_PROMPT))
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=ENGINE_NEW)
+  cache = {}
+
+  def run(params):
+    if "engine" not in cache:
+      cache["engine"] = DecodeEngine(cfg, params, numerics=fast, num_slots=ENGINE_SLOTS,
+                                     max_seq_len=ENGINE_PROMPT + ENGINE_NEW)
+    return cache["engine"].generate([Request(i, prompts[i].astype(np.int32), sampling=greedy)
+                                     for i in range(ENGINE_SLOTS)])
+
+  return run
+
+
+def _moe_flops_at_real_shape():
+  """One Qwen3-30B-A3B MoE layer on 4,096 tokens (XLA's cost analysis, abstract shapes):
+  each numerics mode's expert path over the routed expert FLOPs."""
+  cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
+  routed = aot.routed_expert_flops(cfg, 4096)
+  out = {}
+  for mode in ("deterministic", "fast"):
+    c = cfg.resolved(jax.default_backend(), mode)
+    out[f"{mode}_{c.train_experts}"] = round(
+        aot.moe_layer_flops(c, 4096, Numerics(mode), c.train_experts) / routed, 4)
   return out
 
 
@@ -257,6 +306,7 @@ def main(_):
                         "decode": _xla_flops(_decode_step, cfg, Numerics(m), params)}
                     for m in ("deterministic", "fast")},
       "expert_paths": _paths(cfg, params),
+      "qwen3_30b_a3b_moe_layer_flops_over_routed_4096_tokens": _moe_flops_at_real_shape(),
       **_children(_ROUNDS.value),
       "pairs": _PAIRS.value,
       "machine": machine_info.machine(),

@@ -158,6 +158,31 @@ def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
   return out, lowered
 
 
+def routed_expert_flops(cfg: ModelConfig, tokens: int) -> int:
+  """FLOPs of one MoE layer's routed experts on `tokens` tokens: gate, up and down
+  projections of each token's top-k experts."""
+  return 2 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def moe_layer_flops(cfg: ModelConfig, tokens: int, numerics, path: str) -> float:
+  """XLA's cost analysis of one MoE block (router, experts on `path`, combine) of `cfg`'s
+  shape on `tokens` tokens, compiled for this process's backend from abstract shapes
+  (nothing of the model's size is allocated)."""
+  from rljax.model import moe  # pylint: disable=g-import-not-at-top
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  dtype = jnp.dtype(cfg.param_dtype)
+  params = {"router": jax.ShapeDtypeStruct((d, e), dtype),
+            "gate": jax.ShapeDtypeStruct((d, e, f), dtype),
+            "up": jax.ShapeDtypeStruct((d, e, f), dtype),
+            "down": jax.ShapeDtypeStruct((e, f, d), dtype)}
+  fn = jax.jit(lambda x, p: moe.moe_block(
+      x, p, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+      numerics=numerics, path=path, row_tile=cfg.expert_row_tile,
+      kernel=cfg.expert_kernel)[0])
+  x = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+  return fn.lower(x, params).compile().cost_analysis()["flops"]
+
+
 def train_batch_abstract(cfg: ModelConfig, sharding: sharding_lib.Sharding, *, microbatches: int,
                          rows: int, row_len: int, num_seqs: int, replay: bool) -> TrainBatch:
   """A GRPO batch as split_microbatches makes it: [M, R, L] rows sharded on `batch` (the

@@ -83,19 +83,42 @@ def _dense_attention(qg, kt, vt, visible, scale):
   return jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
 
 
+ROW_TILE = 8  # query rows per deterministic score/value dot
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _det_attention(qg, kt, vt, visible, scale, page_size):
   """Deterministic attention: [B, Hkv, M, D] f32, the same bits in every graph.
 
-  No dot kernels: which kernel XLA:CPU picks for a batched bf16 dot (bf16, or upcast to
-  f32 when its operands come out of a fusion) differs between graphs, and the two round
-  differently. bf16 x bf16 products are exact in f32, so a fixed tree of adds over
-  head_dim gives the same scores everywhere. Only the forward must be invariant: the
+  Every product is one fixed-shape dot per (query tile of ROW_TILE rows, key block):
+  scores (ROW_TILE x D) @ (D x page_size) and values (ROW_TILE x page_size) @
+  (page_size x D), batched over (sequence, KV head, query tile, key block), with f32
+  operands holding bf16 values (bf16 x bf16 products are exact in f32). A fixed dot shape
+  fixes the order of its sums, whatever the graph, the tile count or a row's place in its
+  tile: the training forward (many query tiles), a prefill and a one-token decode step (one
+  tile, the KV head's G query rows padded) reduce each query alike. bf16 operands would
+  leave the kernel to XLA:CPU (a bf16 dot, or an upcast to f32 when an operand comes out of
+  a fusion), and the two round differently. Only the forward must be invariant: the
   backward is the VJP of the dot-based `_dense_attention`, the same function.
   """
-  prod = qg.astype(jnp.float32)[:, :, :, None, :] * kt.astype(jnp.float32)[:, :, None, :, :]
-  s = jnp.where(visible, tree_sum(prod) * scale, NEG)
-  return _online_softmax_blocks(s, visible, vt, page_size)
+  b, hkv, m, d = qg.shape
+  n = kt.shape[2]
+  nb = n // page_size
+  mp = -(-m // ROW_TILE) * ROW_TILE
+  nt = mp // ROW_TILE
+  if mp != m:
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+    visible = jnp.pad(visible, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+  # [B, Hkv, tiles, blocks, rows, ...]: every (tile, block) pair is one batch entry
+  q_tiles = jnp.broadcast_to(qg.astype(jnp.float32).reshape(b, hkv, nt, 1, ROW_TILE, d),
+                             (b, hkv, nt, nb, ROW_TILE, d))
+  k_blocks = jnp.broadcast_to(kt.astype(jnp.float32).reshape(b, hkv, 1, nb, page_size, d),
+                              (b, hkv, nt, nb, page_size, d))
+  s = jnp.einsum("bhtjrd,bhtjpd->bhtjrp", q_tiles, k_blocks)
+  vis = visible.reshape(b, 1, nt, ROW_TILE, nb, page_size).transpose(0, 1, 2, 4, 3, 5)
+  s = jnp.where(vis, s * scale, NEG)
+  out = _online_softmax_blocks(s, vis, vt, page_size)  # [B, Hkv, tiles, rows, D]
+  return out.reshape(b, hkv, mp, d)[:, :, :m]
 
 
 def _det_attention_fwd(qg, kt, vt, visible, scale, page_size):
@@ -115,23 +138,23 @@ _det_attention.defvjp(_det_attention_fwd, _det_attention_bwd)
 def _online_softmax_blocks(s, visible, vt, page_size):
   """Online softmax over key blocks in order, reductions in fixed order.
 
-  Every block's p @ v (a fixed tree over its page_size keys) is computed at once; only
+  s, visible: [B, Hkv, tiles, blocks, rows, page_size]; vt [B, Hkv, N, D] -> [B, Hkv,
+  tiles, rows, D] f32. Every block's p @ v (one fixed-shape dot) is computed at once; only
   the running rescale, which is what fixes the order across blocks, walks the blocks.
   """
-  b, hkv, m, n = s.shape
-  nb = n // page_size
-  s = s.reshape(b, hkv, m, nb, page_size)
-  visible = visible.reshape(visible.shape[:3] + (nb, page_size))
-  block_max = jnp.max(s, axis=-1)  # exact in any order
+  b, hkv, nt, nb, r, _ = s.shape
+  d = vt.shape[-1]
+  block_max = jnp.max(s, axis=-1)  # exact in any order; [B, Hkv, tiles, blocks, rows]
   run_max = lax.cummax(block_max, axis=3)
   p = jnp.where(visible, det_exp(s - run_max[..., None]), 0.0)
-  block_sum = tree_sum(p)  # [B, Hkv, M, NB]
-  vb = vt.reshape(b, hkv, nb, page_size, vt.shape[-1]).astype(jnp.float32)
+  block_sum = tree_sum(p)
   # p rounded to v's dtype (as the fast path's p @ v sees it), so products are exact in f32
   p_v = p.astype(vt.dtype).astype(jnp.float32)
-  prod = p_v[:, :, :, :, :, None] * vb[:, :, None]  # [B, Hkv, M, NB, P, D]
-  pv = jnp.moveaxis(tree_sum(jnp.moveaxis(prod, 4, -1)), 3, 2)  # [B, Hkv, NB, M, D]
-  prev_max = jnp.concatenate([jnp.full_like(run_max[..., :1], NEG), run_max[..., :-1]], axis=-1)
+  v_blocks = jnp.broadcast_to(vt.astype(jnp.float32).reshape(b, hkv, 1, nb, page_size, d),
+                              (b, hkv, nt, nb, page_size, d))
+  pv = jnp.einsum("bhtjrp,bhtjpd->bhtjrd", p_v, v_blocks)
+  prev_max = jnp.concatenate([jnp.full_like(run_max[:, :, :, :1], NEG), run_max[:, :, :, :-1]],
+                             axis=3)
   alpha = det_exp(prev_max - run_max)  # exactly 1 where a block changes nothing
 
   def step(carry, xs):
@@ -139,7 +162,7 @@ def _online_softmax_blocks(s, visible, vt, page_size):
     alpha_j, sum_j, pv_j = xs
     return (l * alpha_j + sum_j, acc * alpha_j[..., None] + pv_j), None
 
-  init = (jnp.zeros((b, hkv, m), jnp.float32), jnp.zeros((b, hkv, m, vt.shape[-1]), jnp.float32))
-  xs = (jnp.moveaxis(alpha, -1, 0), jnp.moveaxis(block_sum, -1, 0), jnp.moveaxis(pv, 2, 0))
+  init = (jnp.zeros((b, hkv, nt, r), jnp.float32), jnp.zeros((b, hkv, nt, r, d), jnp.float32))
+  xs = (jnp.moveaxis(alpha, 3, 0), jnp.moveaxis(block_sum, 3, 0), jnp.moveaxis(pv, 3, 0))
   (l, acc), _ = lax.scan(step, init, xs)
   return acc / jnp.where(l == 0.0, 1.0, l)[..., None]

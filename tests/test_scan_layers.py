@@ -134,18 +134,25 @@ def test_forward_refuses_an_unresolved_config(tiny_cfg):
 
 @pytest.mark.parametrize("backend,numerics,attention,train_experts,engine_experts", [
     ("cpu", "fast", "reference", "tiled", "dense"),
-    ("cpu", "deterministic", "reference", "tiled", "dense"),
+    ("cpu", "deterministic", "reference", "tiled", "tiled"),
     ("gpu", "fast", "pallas", "ragged", "ragged"),
-    ("cuda", "deterministic", "reference", "ragged", "ragged"),
+    ("cuda", "deterministic", "reference", "tiled", "tiled"),
     ("tpu", "fast", "reference", "ragged", "ragged")])
 def test_resolved_makes_todays_choices(backend, numerics, attention, train_experts,
                                        engine_experts):
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
   assert (cfg.decode_attention, cfg.train_experts, cfg.engine_experts) == (
       attention, train_experts, engine_experts)
-  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="dense",
+  kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="tiled",
                      engine_experts="ragged", dtype="float32")
   assert kept.resolved(backend, numerics) == kept
+  # deterministic: the dense path's bits are not the tiles', so both forwards or neither
+  mixed = ModelConfig(**TINY, train_experts="dense", engine_experts="ragged")
+  if numerics == "deterministic":
+    with pytest.raises(ValueError, match="both be 'dense' or neither"):
+      mixed.resolved(backend, numerics)
+  else:
+    assert mixed.resolved(backend, numerics).engine_experts == "ragged"
   with pytest.raises(ValueError, match="backend"):
     cfg.resolved("metal", numerics)
 

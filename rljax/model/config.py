@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 _AUTO_FIELDS = ("decode_attention", "train_experts", "engine_experts", "dtype")
 _EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
+_EXPERT_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,11 +60,19 @@ class ModelConfig:
   # `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for the training
   # forward (thousands of tokens) and "dense" for the engine's forward (a KV cache:
   # prefill and decode steps of a few tokens per slot); "ragged" elsewhere. Deterministic
-  # mode: "dense" is its dense path; any other choice its routed-only tiles (one fixed
-  # (expert_row_tile x D) dot per tile), bit for bit the dense path's outputs.
+  # mode: "auto" = "tiled" for both (batch-invariant: every tile is one fixed-shape dot;
+  # "ragged" there also runs "tiled"); "dense" is its own path with other bits, allowed
+  # only for both forwards at once. The row tile bounds the padding (under one tile per
+  # expert); 32 keeps Qwen3-30B-A3B's expert FLOPs at 4,096 tokens within 1.13x the routed
+  # ones and was the fastest tile on CPU for 128 experts top-8 (bench_numerics).
   train_experts: str = "auto"
   engine_experts: str = "auto"
-  expert_row_tile: int = 128
+  expert_row_tile: int = 32
+  # What multiplies the routed tiles (rljax.model.moe.tile_matmul): "jnp" (one batched
+  # dot; what CPUs run), "pallas_tpu" / "pallas_gpu" (pallas_kernels.grouped_matmul:
+  # weights read in place by each tile's expert; not yet run on a device, so opt-in),
+  # "pallas_interpret" (the TPU kernel interpreted on CPU: the jnp kernel's bits, tests).
+  expert_kernel: str = "jnp"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
   # faster (bf16 dots are emulated; measured in experiments/bench_numerics.py).
@@ -88,6 +97,9 @@ class ModelConfig:
       if getattr(self, name) not in _EXPERT_PATHS:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
                          f"{_EXPERT_PATHS}")
+    if self.expert_kernel not in _EXPERT_KERNELS:
+      raise ValueError(f"unknown expert_kernel {self.expert_kernel!r}; expected one of "
+                       f"{_EXPERT_KERNELS}")
     if self.expert_row_tile < 1:
       raise ValueError(f"expert_row_tile must be >= 1, got {self.expert_row_tile}")
     if self.dense_layers() and self.intermediate_size <= 0:
@@ -120,10 +132,18 @@ class ModelConfig:
       # deterministic mode keeps the reference: the kernel's exp and reductions are not
       # the training forward's
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
+    deterministic = mode == "deterministic"
     if self.train_experts == "auto":
-      choices["train_experts"] = "tiled" if platform == "cpu" else "ragged"
+      choices["train_experts"] = "tiled" if platform == "cpu" or deterministic else "ragged"
     if self.engine_experts == "auto":
-      choices["engine_experts"] = "dense" if platform == "cpu" else "ragged"
+      fast_engine = "dense" if platform == "cpu" else "ragged"
+      choices["engine_experts"] = "tiled" if deterministic else fast_engine
+    paths = {choices.get(f, getattr(self, f)) for f in ("train_experts", "engine_experts")}
+    if deterministic and "dense" in paths and len(paths) > 1:
+      raise ValueError(
+          "deterministic numerics: train_experts and engine_experts must both be 'dense' "
+          f"or neither (got {self.train_experts!r} and {self.engine_experts!r}): the dense "
+          "path's expert outputs are not the routed tiles' bits")
     if self.dtype == "auto":
       emulated_bf16 = platform == "cpu" and not cpu_has_native_bf16()
       choices["dtype"] = "float32" if mode == "fast" and emulated_bf16 else "bfloat16"

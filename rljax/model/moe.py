@@ -2,20 +2,21 @@
 
 No capacity, no drops: a token's output depends only on the token. Expert paths:
 
+* "tiled": slots sorted by expert into fixed tiles of `row_tile` rows, one expert per
+  tile, one batched dot over the tiles with f32 operands holding the compute dtype's values
+  (bf16 products are exact in f32; XLA:CPU has no bf16 batched dot thunk): the routed FLOPs
+  plus under one tile per expert (XLA:CPU expands `ragged_dot` into masked dense dots over
+  every expert instead). Every tile is the same (row_tile x D) @ (D x F) product, with no
+  split-K, so a row's sums depend neither on its tile's other rows, nor on how many rows
+  its expert got, nor on the tile count: in deterministic mode this is the routed path
+  ("ragged" there means "tiled"), batch-invariant bit for bit.
 * fast, "ragged": slots sorted by expert and `lax.ragged_dot` (a grouped GEMM on GPU/TPU).
-* fast, "tiled": slots sorted by expert into fixed tiles of `row_tile` rows, one expert per
-  tile, one batched dot over the tiles: the routed FLOPs plus under one tile per expert
-  (XLA:CPU expands `ragged_dot` into masked dense dots over every expert instead).
-* fast, "dense": every expert for every token, each slot's output picked out; the cheapest
-  for a few tokens (one engine decode step).
-* deterministic, "dense": every local expert applied to every token with plain 2-D bf16
-  dots (one per expert for the down projection) whose per-row numerics do not depend on
-  the row count, then each token's chosen experts picked out: num_experts / top_k times
-  the expert FLOPs, the cheapest for a few tokens.
-* deterministic, any other path: routed experts only, in the fast "tiled" path's tiles,
-  but one fixed-shape 2-D bf16 dot (row_tile x D) @ (D x F) per tile, in a `lax.map`:
-  no split-K, and a row's sums do not depend on its tile's other rows, on how many rows
-  its expert got or on the tile count, so its bits are the dense path's.
+* "dense": every expert for every token, each slot's output picked out; the cheapest for a
+  few tokens (one engine decode step) when experts are few. In deterministic mode every
+  local expert is applied with plain 2-D bf16 dots (one per expert for the down
+  projection) whose per-row numerics do not depend on the row count: num_experts / top_k
+  times the expert FLOPs, and not the tiled path's bits (another dot kernel), so trainer
+  and engine must both use it or neither (`ModelConfig.resolved` checks).
 
 Expert parallelism (`expert` mesh axis > 1) runs under `jax.shard_map`: each device
 gathers the tokens of its expert group, computes its own experts for them, and an
@@ -26,11 +27,13 @@ summed in fixed order (no psum: a psum over >= 3 devices does not sum in device 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from rljax import sharding as sharding_lib
 from rljax.numerics import Numerics, det_exp
 
@@ -66,25 +69,26 @@ PATHS = ("dense", "ragged", "tiled")
 
 def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, expert_offset: jax.Array | int,
-                  numerics: Numerics, path: str = "ragged", row_tile: int = 128) -> jax.Array:
+                  numerics: Numerics, path: str = "ragged", row_tile: int = 32,
+                  kernel: str = "jnp") -> jax.Array:
   """Outputs of the local experts [offset, offset + E_local) for each slot.
 
   x [T, D]; ids [T, k] global expert ids; gate/up [D, E_local, F]; down [E_local, F, D].
-  Returns [T, k, D] in x's dtype, zero for slots whose expert is not local. `path` (one
-  of `PATHS`, see the module doc) is fast mode's; deterministic mode has its own.
+  Returns [T, k, D] in x's dtype, zero for slots whose expert is not local. `path`: one
+  of `PATHS` (see the module doc; in deterministic mode "ragged" runs "tiled"). `kernel`:
+  what multiplies the tiles (one of `TILE_KERNELS`, see `tile_matmul`).
   """
   if path not in PATHS:
     raise ValueError(f"unknown expert path {path!r}; expected one of {PATHS}")
+  if kernel not in TILE_KERNELS:
+    raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {TILE_KERNELS}")
   t, d = x.shape
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  if numerics.deterministic and path != "dense":
-    y = _experts_tiled_deterministic(x, jnp.where(is_local, local, e_local), gate, up,
-                                     down, numerics, row_tile)
-  elif path == "tiled":
+  if path == "tiled" or (numerics.deterministic and path == "ragged"):
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
-                       row_tile)
+                       row_tile, kernel)
   elif path == "dense":  # every local expert, slots picked
     g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
     u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
@@ -145,46 +149,64 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
   return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
 
 
-def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile):
-  """Routed experts only. slot_expert [T, k]: local expert of each slot, E_local for none.
-  Slots grouped by expert into tiles (`tile_plan`); one (row_tile x D) @ (D x F) product
-  per tile with its expert's weights. f32 operands holding the compute dtype's values
-  (XLA:CPU has no bf16 batched dot thunk; bf16 products are exact in f32). -> [T, k, D]."""
+TILE_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+GPU_BLOCK_K = 256
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str) -> jax.Array:
+  """xs [N, r, D] tiles, w [E, D, F], tile_expert [N] -> f32 [N, r, F]: each tile times its
+  expert's weights (w rounded to xs's dtype), the whole D in one fixed-shape product.
+
+  kernel "jnp": one batched dot with f32 operands holding the input values (bf16 products
+  are exact in f32; XLA:CPU has no bf16 batched dot thunk), the per-tile weights gathered;
+  "pallas_tpu" / "pallas_gpu": `pallas_kernels.grouped_matmul` (Mosaic / Triton: weights
+  read in place through the tile's expert id, operands in xs's dtype; on GPU the whole D
+  does not fit shared memory at real widths, so D is summed in blocks of
+  gcd(D, GPU_BLOCK_K), in order); "pallas_interpret":
+  the TPU kernel interpreted on CPU with the jnp kernel's f32 operands, so the same bits
+  (tests). The backward is the jnp kernel's VJP whatever the kernel (gradients need not be
+  batch-invariant).
+  """
+  if kernel == "jnp":
+    return grouped_matmul_reference(xs, w, tile_expert)
+  if kernel == "pallas_interpret":
+    return grouped_matmul(xs.astype(jnp.float32), w.astype(xs.dtype).astype(jnp.float32),
+                          tile_expert, backend="tpu", interpret=True)
+  if kernel == "pallas_gpu":  # Triton: a K loop in fixed blocks (shared memory; power-of-two
+    # dot tiles), the same order for every tile
+    return grouped_matmul(xs, w, tile_expert, backend="gpu",
+                          block_k=math.gcd(xs.shape[-1], GPU_BLOCK_K))
+  return grouped_matmul(xs, w, tile_expert, backend="tpu")
+
+
+def _tile_matmul_fwd(xs, w, tile_expert, kernel):
+  return tile_matmul(xs, w, tile_expert, kernel), (xs, w, tile_expert)
+
+
+def _tile_matmul_bwd(kernel, residuals, g):
+  del kernel
+  xs, w, tile_expert = residuals
+  _, vjp = jax.vjp(lambda xs, w: grouped_matmul_reference(xs, w, tile_expert), xs, w)
+  return (*vjp(g), None)
+
+
+tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile, kernel):
+  """Routed experts only (the "tiled" path, see the module doc). slot_expert [T, k]: local
+  expert of each slot, E_local for none. -> [T, k, D]."""
   t, d = x.shape
   k = slot_expert.shape[1]
   src, dest, tile_expert = tile_plan(slot_expert.reshape(-1), gate.shape[1], row_tile)
-  as_f32 = lambda w: w.astype(x.dtype).astype(jnp.float32)  # noqa: E731
-  xs = x.at[src // k].get(mode="fill", fill_value=0).astype(jnp.float32)
-  xs = xs.reshape(-1, row_tile, d)
-  g = jnp.einsum("nrd,ndf->nrf", xs, as_f32(gate.transpose(1, 0, 2))[tile_expert])
-  u = jnp.einsum("nrd,ndf->nrf", xs, as_f32(up.transpose(1, 0, 2))[tile_expert])
+  xs = x.at[src // k].get(mode="fill", fill_value=0).reshape(-1, row_tile, d)
+  g = tile_matmul(xs, gate.transpose(1, 0, 2), tile_expert, kernel)
+  u = tile_matmul(xs, up.transpose(1, 0, 2), tile_expert, kernel)
   hidden = silu(g.astype(x.dtype), numerics).astype(x.dtype) * u.astype(x.dtype)
-  ys = jnp.einsum("nrf,nfd->nrd", hidden.astype(jnp.float32), as_f32(down)[tile_expert])
+  ys = tile_matmul(hidden, down, tile_expert, kernel)
   y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
   return y.astype(x.dtype).reshape(t, k, d)
-
-
-def _experts_tiled_deterministic(x, slot_expert, gate, up, down, numerics, row_tile):
-  """Routed experts only, deterministic: the tiles of `tile_plan`, each computed by one
-  fixed-shape 2-D bf16 dot per projection with its expert's weights (numerics.matmul: f32
-  accumulation, the row tile a multiple of numerics.row_tile), tile after tile. A row's
-  result is the dense path's, bit for bit. slot_expert [T, k] -> [T, k, D]."""
-  t, d = x.shape
-  k = slot_expert.shape[1]
-  tile = numerics.pad_rows(row_tile)
-  src, dest, tile_expert = tile_plan(slot_expert.reshape(-1), gate.shape[1], tile)
-  xs = x.at[src // k].get(mode="fill", fill_value=0).reshape(-1, tile, d)
-
-  def one_tile(args):
-    rows, e = args
-    g = numerics.matmul(rows, gate[:, e]).astype(x.dtype)
-    u = numerics.matmul(rows, up[:, e]).astype(x.dtype)
-    hidden = silu(g, numerics).astype(x.dtype) * u
-    return numerics.matmul(hidden, down[e]).astype(x.dtype)
-
-  ys = lax.map(one_tile, (xs, tile_expert))
-  y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
-  return y.reshape(t, k, d)
 
 
 def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
@@ -198,23 +220,25 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
 
 def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
               numerics: Numerics, sharding: sharding_lib.Sharding | None = None,
-              replay: jax.Array | None = None, path: str = "ragged", row_tile: int = 128):
-  """x [T, D] -> (y [T, D], expert ids [T, k]). `path`, `row_tile`: see `experts_local`."""
+              replay: jax.Array | None = None, path: str = "ragged", row_tile: int = 32,
+              kernel: str = "jnp"):
+  """x [T, D] -> (y [T, D], expert ids [T, k]). `path`, `row_tile`, `kernel`: see
+  `experts_local`."""
   router = sharding_lib.constrain(sharding, params["router"], ("embed", "router"), gathered=True)
   ids, weights = route(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob,
                        numerics=numerics, replay=replay)
   if sharding is not None and sharding.axis_size("expert") > 1:
-    y = _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile)
+    y = _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile, kernel)
   else:
     gate, up, down = (sharding_lib.constrain(sharding, params[n], axes, gathered=True)
                       for n, axes in (("gate", ("embed", "expert", "mlp")),
                                       ("up", ("embed", "expert", "mlp")),
                                       ("down", ("expert", "mlp", "embed"))))
-    y = experts_local(x, ids, gate, up, down, 0, numerics, path, row_tile)
+    y = experts_local(x, ids, gate, up, down, 0, numerics, path, row_tile, kernel)
   return combine(y, weights), ids
 
 
-def _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile):
+def _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile, kernel):
   tokens = sharding.spec(("batch", None))
   slots = sharding.spec(("batch", None, None))
   w_in = sharding.spec(("embed", "expert", "mlp"), gathered=True)
@@ -231,7 +255,7 @@ def _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile)
     ids_group = lax.all_gather(ids_l, "expert")
     t_l, k = ids_l.shape
     y = experts_local(x_group.reshape(n * t_l, -1), ids_group.reshape(n * t_l, k),
-                      gate_l, up_l, down_l, me * e_local, numerics, path, row_tile)
+                      gate_l, up_l, down_l, me * e_local, numerics, path, row_tile, kernel)
     # y[i] are this device's outputs for device i's tokens; send them home
     y_home = lax.all_to_all(y.reshape(n, t_l, k, -1), "expert", 0, 0)  # [n (source), T_l, k, D]
     owner = ids_l // e_local  # which device computed each slot

@@ -137,7 +137,7 @@ def _layer(p, x, cos, sin, layer_kv, replay, ctx):
                            sharding=sharding,
                            replay=None if replay is None else replay.reshape(b * t, -1),
                            path=cfg.train_experts if layer_kv is None else cfg.engine_experts,
-                           row_tile=cfg.expert_row_tile)
+                           row_tile=cfg.expert_row_tile, kernel=cfg.expert_kernel)
     y, ids = y.reshape(b, t, d), ids.reshape(b, t, -1)
   else:
     y = _mlp_block(p["mlp"], h, ctx)

@@ -103,11 +103,12 @@ def stream_url(root: str) -> str:
 
 # The config a rollout host must share with the trainer for its samples to be the trainer's
 # policy's: the model and its numerics, the tokens (tokenizer, env, sampling) and the seed
-# of the sampling keys. Model fields only the trainer uses are left out.
+# of the sampling keys. Model fields only the trainer uses are left out (the expert row
+# tile is not one: the engine's routed tiles have its shape, and their bits depend on it).
 FINGERPRINTED = ("seed", "numerics", "init_from", "model", "tokenizer", "env",
                  "engine.max_seq_len", "rl.max_new_tokens", "rl.temperature", "rl.top_k",
                  "rl.top_p")
-TRAINER_ONLY_MODEL_FIELDS = ("train_experts", "expert_row_tile", "remat", "scan_layers")
+TRAINER_ONLY_MODEL_FIELDS = ("train_experts", "remat", "scan_layers")
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
