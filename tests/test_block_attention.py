@@ -5,13 +5,17 @@ fixed tile shape. Isolated like this, XLA:CPU's plain dots happen to be invarian
 whole-model checks, where fusion changes XLA's choice of dot kernel, are in
 test_model_invariance.py and test_engine.py."""
 
+import dataclasses
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import tiny_moe
 from rljax import block_attention
+from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
 from rljax.numerics import Numerics
 
 DET = Numerics("deterministic")
@@ -83,3 +87,40 @@ def test_deterministic_attention_runs_on_fixed_shape_dots():
   dots = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} dot\(", hlo)
   assert any(s.endswith(f"{rt},{P}") for s in dots), dots  # scores
   assert any(s.endswith(f"{rt},{D}") for s in dots), dots  # p @ v
+
+
+def test_the_model_runs_deterministic_attention_on_the_configured_kernel():
+  # the tiny policy with `det_attention="pallas_interpret"` (the GPU kernel interpreted):
+  # packed training forward and one-token paged decode steps over scrambled pages give the
+  # jnp path's log-prob bits, and training gradients flow (the fast path's VJP); lowered
+  # for a TPU with "pallas_tpu", the kernel is in the program
+  base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved("cpu", DET)
+  params = init_params(base, jax.random.key(0))
+  rng = np.random.default_rng(3)
+  seqs = [rng.integers(1, base.vocab_size, size=n) for n in (9, 17, 30)]
+  kernel = dataclasses.replace(base, det_attention="pallas_interpret")
+  jnp_lp = scoring.packed_logprobs(params, seqs, cfg=base, numerics=DET, row_len=64)
+  for lps in (scoring.packed_logprobs(params, seqs, cfg=kernel, numerics=DET, row_len=64),
+              scoring.paged_decode_logprobs(params, seqs, cfg=kernel, numerics=DET,
+                                            shuffle_pages_seed=2)):
+    assert scoring.max_abs_diff(lps, jnp_lp) == 0.0
+  tokens = jnp.asarray(rng.integers(1, base.vocab_size, size=(1, 32)), jnp.int32)
+  positions = jnp.arange(32, dtype=jnp.int32)[None]
+  loss = lambda p, cfg: -jnp.sum(forward(  # noqa: E731
+      p, tokens, positions, cfg=cfg, numerics=DET, targets=tokens).logprobs)
+  grads = {c: jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
+           for c, cfg in (("jnp", base), ("kernel", kernel))}
+  chex.assert_trees_all_equal(grads["kernel"], grads["jnp"])
+  tpu = dataclasses.replace(base, det_attention="pallas_tpu", head_dim=128)
+  tpu_params = jax.eval_shape(lambda: init_params(tpu, jax.random.key(0)))
+  lowered = jax.jit(lambda p: forward(p, tokens, positions, cfg=tpu, numerics=DET).logits
+                    ).trace(tpu_params).lower(lowering_platforms=("tpu",))
+  assert "tpu_custom_call" in lowered.as_text()
+  # and a decode step over the engine's pools (raw bits)
+  pool = jax.ShapeDtypeStruct((tpu.num_hidden_layers, 9, tpu.page_size, tpu.num_key_value_heads,
+                               tpu.head_dim), jnp.uint16)
+  kv = PagedKV(pool, pool, jax.ShapeDtypeStruct((2, 4), jnp.int32))
+  step = jax.jit(lambda p, kv: forward(p, tokens[:, :2].T, positions[:, :2].T, cfg=tpu,
+                                       numerics=DET, kv=kv).logits)
+  assert "tpu_custom_call" in step.trace(tpu_params, kv).lower(
+      lowering_platforms=("tpu",)).as_text()

@@ -1,7 +1,9 @@
 """The engine's paged KV cache and attention over it.
 
 `PagedKV` (a page pool per layer and each row's page table), `write_pages`, and
-`attend_paged`: `rljax.block_attention.attend` over the pages a row's queries can see.
+`attend_paged`: `rljax.block_attention.attend` over the pages a row's queries can see;
+in deterministic numerics optionally by the Pallas kernels of the same tiling
+(`attend_det_kernel`, `attend_paged_det_kernel`).
 The block schedule that makes a decode step's logits the training forward's bits is
 described in `rljax.block_attention`.
 """
@@ -9,14 +11,16 @@ described in `rljax.block_attention`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import det_attention as det_kernels
 # NEG, attend and gather_blocks are part of this module's API too (the engine's tests)
 from rljax.block_attention import NEG, as_values, attend, gather_blocks  # noqa: F401
-from rljax.numerics import Numerics
+from rljax.numerics import FAST, Numerics
 
 
 @jax.tree_util.register_dataclass
@@ -96,3 +100,56 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
     return over(max_blocks)(q, k_pool, v_pool, page_table, q_index)
   return lax.switch(branch, [over(nb) for nb in widths], q, k_pool, v_pool, page_table,
                     q_index)
+
+
+# What runs deterministic attention (`ModelConfig.det_attention`): the jnp path of
+# `block_attention`, or `pallas_kernels.det_attention` with the same tiling (TPU / GPU, or
+# the GPU kernel interpreted on CPU: the jnp path's bits, tested).
+DET_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+
+
+def _det_kernel_args(kernel: str) -> dict:
+  if kernel not in DET_KERNELS[1:]:
+    raise ValueError(f"unknown deterministic attention kernel {kernel!r}; expected one of "
+                     f"{DET_KERNELS[1:]}")
+  return {"backend": "tpu" if kernel == "pallas_tpu" else "gpu",
+          "interpret": kernel == "pallas_interpret"}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel):
+  """`attend` in deterministic numerics, by the Pallas kernel `kernel` (see DET_KERNELS).
+
+  The backward is the VJP of `attend`'s fast path (the same function; gradients need not
+  be batch-invariant), as for the jnp path.
+  """
+  return det_kernels.det_attention(q, k, v, q_index, page_size=page_size, scale=scale,
+                                   q_segments=q_segments, kv_segments=kv_segments,
+                                   **_det_kernel_args(kernel))
+
+
+def _attend_det_kernel_fwd(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel):
+  out = attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel)
+  return out, (q, k, v, q_index, q_segments, kv_segments)
+
+
+def _attend_det_kernel_bwd(page_size, scale, kernel, residuals, g):
+  del kernel
+  q, k, v, q_index, q_segments, kv_segments = residuals
+  _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, q_index, page_size=page_size,
+                                          numerics=FAST, scale=scale, q_segments=q_segments,
+                                          kv_segments=kv_segments), q, k, v)
+  return (*vjp(g), None, None, None)
+
+
+attend_det_kernel.defvjp(_attend_det_kernel_fwd, _attend_det_kernel_bwd)
+
+
+def attend_paged_det_kernel(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                            page_table: jax.Array, positions: jax.Array, *, layer,
+                            dtype, scale: float, kernel: str) -> jax.Array:
+  """`attend_paged` in deterministic numerics by the Pallas kernel `kernel`: one layer's
+  pages (`layer` of the stacked pools, raw bits or values) read in place by the kernel."""
+  k_layer, v_layer = (as_values(pool[layer], dtype) for pool in (k_pool, v_pool))
+  return det_kernels.det_paged_attention(q, k_layer, v_layer, page_table, positions,
+                                         scale=scale, **_det_kernel_args(kernel))

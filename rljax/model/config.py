@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 _AUTO_FIELDS = ("decode_attention", "train_experts", "engine_experts", "dtype")
 _EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
-_EXPERT_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")  # expert tiles, det attention
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +54,11 @@ class ModelConfig:
   # One-token decode steps over paged KV: "reference" (jnp), "pallas", "pallas_interpret"
   # (CPU tests); "auto" = "pallas" on GPU in fast mode, "reference" otherwise.
   decode_attention: str = "auto"
+  # Deterministic numerics' attention, in the training forward, prefill and decode alike:
+  # "jnp" (rljax.block_attention: what CPUs run), "pallas_tpu" / "pallas_gpu"
+  # (pallas_kernels.det_attention, the same tiling; one device, not yet run on one, so
+  # opt-in), "pallas_interpret" (the GPU kernel interpreted on CPU: the jnp bits, tests).
+  det_attention: str = "jnp"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
   # one batched dot) or "dense" (every expert for every token). XLA:CPU expands
@@ -97,9 +102,12 @@ class ModelConfig:
       if getattr(self, name) not in _EXPERT_PATHS:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
                          f"{_EXPERT_PATHS}")
-    if self.expert_kernel not in _EXPERT_KERNELS:
+    if self.det_attention not in _KERNELS:
+      raise ValueError(f"unknown det_attention {self.det_attention!r}; expected one of "
+                       f"{_KERNELS}")
+    if self.expert_kernel not in _KERNELS:
       raise ValueError(f"unknown expert_kernel {self.expert_kernel!r}; expected one of "
-                       f"{_EXPERT_KERNELS}")
+                       f"{_KERNELS}")
     if self.expert_row_tile < 1:
       raise ValueError(f"expert_row_tile must be >= 1, got {self.expert_row_tile}")
     if self.dense_layers() and self.intermediate_size <= 0:

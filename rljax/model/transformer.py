@@ -96,7 +96,15 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     q_index = ctx["positions"]
     new_pools = (k_pool, v_pool)
 
-  if layer_kv is not None and t == 1 and cfg.decode_attention != "reference":
+  det_kernel = numerics.deterministic and cfg.det_attention != "jnp"
+  if det_kernel and layer_kv is not None:
+    out = attention.attend_paged_det_kernel(q, *new_pools, table, q_index, layer=layer,
+                                            dtype=dt, scale=hd ** -0.5,
+                                            kernel=cfg.det_attention)
+  elif det_kernel:
+    out = attention.attend_det_kernel(q, keys, values, q_index, segs, kv_segs,
+                                      cfg.page_size, hd ** -0.5, cfg.det_attention)
+  elif layer_kv is not None and t == 1 and cfg.decode_attention != "reference":
     lengths = jnp.maximum(ctx["positions"][:, 0] + 1, 0)
     k_layer, v_layer = (block_attention.as_values(pool[layer], dt) for pool in new_pools)
     out = decode_kernel.paged_attention(q[:, 0], k_layer, v_layer, table, lengths,

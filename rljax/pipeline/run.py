@@ -52,9 +52,9 @@ from rljax.rl.losses import LossConfig
 TOP_LEVEL = ("name", "seed", "numerics", "init_from")
 # ModelConfig fields a config sets beside `init_from` (how to run the model, not what it
 # is); the checkpoint's config.json sets the rest
-BACKEND_FIELDS = ("page_size", "decode_attention", "train_experts", "engine_experts",
-                  "expert_row_tile", "expert_kernel", "dtype", "param_dtype", "remat",
-                  "scan_layers")
+BACKEND_FIELDS = ("page_size", "decode_attention", "det_attention", "train_experts",
+                  "engine_experts", "expert_row_tile", "expert_kernel", "dtype",
+                  "param_dtype", "remat", "scan_layers")
 # block -> the keys it must have (model: ModelConfig's own fields, checked by from_dict)
 BLOCKS: dict[str, tuple[str, ...]] = {
     "model": (),
