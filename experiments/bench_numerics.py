@@ -46,6 +46,7 @@ from rljax import aot
 from rljax import numerics as numerics_lib
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
+from rljax.model.attention import raw_dtype
 from rljax.model.packing import pack
 from rljax.model.params import cast, scale_matrices
 from rljax.numerics import Numerics
@@ -101,9 +102,11 @@ def _decode_step(cfg, numerics, slots=32, cached=40, pages_per_slot=8):
   shape = (cfg.num_hidden_layers, 1 + slots * pages_per_slot, cfg.page_size,
            cfg.num_key_value_heads, cfg.head_dim)
   rng = np.random.default_rng(3)
-  kv = PagedKV(jnp.asarray(rng.standard_normal(shape), cfg.compute_dtype),
-               jnp.asarray(rng.standard_normal(shape), cfg.compute_dtype),
-               jnp.asarray(table, jnp.int32))
+  # pools of raw bits, as the engine keeps them (XLA:CPU scatters a bf16 array by
+  # converting all of it to f32 and back: a page write would cost the whole pool twice)
+  bits = lambda: jax.lax.bitcast_convert_type(  # noqa: E731
+      jnp.asarray(rng.standard_normal(shape), cfg.compute_dtype), raw_dtype(cfg.compute_dtype))
+  kv = PagedKV(bits(), bits(), jnp.asarray(table, jnp.int32))
   tokens = rng.integers(1, cfg.vocab_size, size=(slots, 1)).astype(np.int32)
   pos = np.full((slots, 1), cached, np.int32)
   fn = jax.jit(lambda prm, kv: forward(prm, tokens, pos, cfg=cfg, numerics=numerics, kv=kv,
@@ -160,28 +163,29 @@ def _modes(make, cfg, params):
 def _paths(cfg, params):
   """Routed-only tiles over the dense all-experts path: train steps in both modes, and the
   fast decode step at 256 slots; expert and XLA FLOPs of each."""
-  with_path = lambda **kw: dataclasses.replace(cfg, **kw)  # noqa: E731
+  # one path for both forwards (deterministic mode refuses a dense / routed mix)
+  with_path = lambda p: dataclasses.replace(cfg, train_experts=p, engine_experts=p)  # noqa: E731
   out = {}
   for mode in ("deterministic", "fast"):
     num = Numerics(mode)
     ratio, t_tiled, t_dense = _ratio(
-        lambda: _train_step(with_path(train_experts="tiled"), num),
-        lambda: _train_step(with_path(train_experts="dense"), num), params)
+        lambda: _train_step(with_path("tiled"), num),
+        lambda: _train_step(with_path("dense"), num), params)
     out[f"{mode}_train"] = {
         "routed_over_dense": round(ratio, 3),
         "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
-        "xla_flops": {p: _xla_flops(_train_step, with_path(train_experts=p), num, params)
+        "xla_flops": {p: _xla_flops(_train_step, with_path(p), num, params)
                       for p in ("tiled", "dense")}}
   fast = Numerics("fast")
   ratio, t_tiled, t_dense = _ratio(
-      lambda: _decode_step(with_path(engine_experts="tiled"), fast, slots=256),
-      lambda: _decode_step(with_path(engine_experts="dense"), fast, slots=256), params)
+      lambda: _decode_step(with_path("tiled"), fast, slots=256),
+      lambda: _decode_step(with_path("dense"), fast, slots=256), params)
   out["fast_decode_256_slots"] = {
       "routed_over_dense": round(ratio, 3),
       "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
       "tokens_per_s": {"routed": round(256 / t_tiled), "dense": round(256 / t_dense)}}
-  ratio, t_tiled, t_dense = _ratio(lambda: _engine_run(with_path(engine_experts="tiled")),
-                                   lambda: _engine_run(with_path(engine_experts="dense")), params)
+  ratio, t_tiled, t_dense = _ratio(lambda: _engine_run(with_path("tiled")),
+                                   lambda: _engine_run(with_path("dense")), params)
   tokens = ENGINE_SLOTS * ENGINE_NEW
   out[f"fast_engine_{ENGINE_SLOTS}_slots"] = {
       "routed_over_dense": round(ratio, 3),
