@@ -218,3 +218,10 @@ def test_the_combine_backward_is_autodiffs():
   chex.assert_trees_all_equal(dy, dy_ref)
   # dw: the same products summed over D in another order (f32), then rounded to bf16
   chex.assert_trees_all_close(dw, dw_ref, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("s,num_keys", [(1, 1), (37, 6), (8192, 129)])
+def test_stable_order_is_a_stable_argsort(s, num_keys):
+  keys = jnp.asarray(np.random.default_rng(s).integers(0, num_keys, size=s), jnp.int32)
+  np.testing.assert_array_equal(jax.jit(moe.stable_order, static_argnums=1)(keys, num_keys),
+                                jnp.argsort(keys, stable=True))

@@ -106,7 +106,7 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   else:
     k = ids.shape[1]
     slot_expert = jnp.where(is_local, local, e_local).reshape(-1)  # non-local sort last
-    order = jnp.argsort(slot_expert, stable=True)
+    order = stable_order(slot_expert, e_local + 1)
     xs = x[order // k]
     sizes = jnp.bincount(slot_expert, length=e_local + 1)[:e_local].astype(jnp.int32)
     gate_e = gate.transpose(1, 0, 2).astype(x.dtype)
@@ -117,6 +117,16 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
     ys = lax.ragged_dot(hidden, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     y = jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype).reshape(t, k, d)
   return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
+
+
+def stable_order(keys: jax.Array, num_keys: int) -> jax.Array:
+  """`jnp.argsort(keys, stable=True)` for keys [S] int in [0, num_keys): one sort of the
+  unique keys key * S + index (3-4x faster than XLA:CPU's two-operand stable sort)."""
+  s = keys.shape[0]
+  if num_keys * s >= 2 ** 31:
+    return jnp.argsort(keys, stable=True)
+  index = jnp.arange(s, dtype=jnp.int32)
+  return lax.sort(keys.astype(jnp.int32) * s + index) % s
 
 
 def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
@@ -132,7 +142,7 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
   """
   s = slot_expert.shape[0]
   n_tiles = -(-s // row_tile) + num_experts
-  order = jnp.argsort(slot_expert, stable=True)
+  order = stable_order(slot_expert, num_experts + 1)
   sorted_expert = slot_expert[order]
   sizes = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   tiles = -(-sizes // row_tile)
