@@ -68,8 +68,9 @@ class ModelConfig:
   # mode: "auto" = "tiled" for both (batch-invariant: every tile is one fixed-shape dot;
   # "ragged" there also runs "tiled"); "dense" is its own path with other bits, allowed
   # only for both forwards at once. The row tile bounds the padding (under one tile per
-  # expert); 32 keeps Qwen3-30B-A3B's expert FLOPs at 4,096 tokens within 1.13x the routed
-  # ones and was the fastest tile on CPU for 128 experts top-8 (bench_numerics).
+  # expert); at 32, Qwen3-30B-A3B's tiles on 4,096 tokens cost at most 1.125x the routed
+  # expert FLOPs (the whole MoE layer 1.14x in XLA's cost analysis), and it was the
+  # fastest tile on CPU for 128 experts top-8 (bench_numerics).
   train_experts: str = "auto"
   engine_experts: str = "auto"
   expert_row_tile: int = 32
