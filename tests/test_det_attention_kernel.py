@@ -44,7 +44,6 @@ SMEM, `tpu.matmul`) and the Triton lowering (`__gpu$xla.gpu.triton`) both run on
 CPU-only jaxlib. Neither is compiled or run on a device here.
 """
 
-import base64
 import functools
 import re
 
@@ -62,6 +61,7 @@ from pallas_kernels.det_attention import det_attention, det_paged_attention  # n
 from rljax import block_attention  # noqa: E402
 from rljax.block_attention import attend  # noqa: E402
 from rljax.model.attention import attend_paged, raw_dtype  # noqa: E402
+from tests.mosaic import mosaic_body  # noqa: E402
 
 H, HKV, D, P = 4, 2, 128, 16
 SCALE = D ** -0.5
@@ -276,19 +276,6 @@ def _lower(platform: str, which: str, **kw) -> str:
   return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
-def _mosaic_body(text: str) -> str:
-  """The Mosaic module a tpu_custom_call carries (base64 MLIR bytecode in its config),
-  printed by jaxlib's MLIR with its TPU dialect registered (jax internals, pinned jax)."""
-  from jax._src.lib import tpu  # pylint: disable=g-import-not-at-top
-  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
-  body = re.search(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text).group(1)
-  ctx = ir.Context()
-  tpu.register_dialect(ctx)
-  ctx.allow_unregistered_dialects = True
-  with ctx:
-    return str(ir.Module.parse(base64.b64decode(body)))
-
-
 @pytest.mark.parametrize("which,grid,smem,pages", [
     # B x Hkv x 1 tile (G = 8 rows) x NB; SMEM: the page table, 64 x 256
     ("decode", "64, 4, 1, 256", "memref<16384xi32", QWEN_PAGES),
@@ -298,7 +285,7 @@ def test_lowers_for_tpu_at_qwen3_shapes(which, grid, smem, pages):
   text = _lower("tpu", which)
   assert "tpu_custom_call" in text and 'kernel_name = "det_attention_tpu"' in text
   assert f"tensor<{pages}x16x512xbf16>" in text  # the pool's free [pages, P, Hkv * D] view
-  body = _mosaic_body(text)
+  body = mosaic_body(text)
   assert f"iteration_bounds = array<i64: {grid}>" in body
   assert "scalar_prefetch = 2" in body and f"{smem}, #tpu.memory_space<smem>>" in body
   assert "window_bounds = array<i64: 1, 16, 128>" in body  # one head's [P, D] of a page

@@ -42,7 +42,6 @@ block's index map reading tile_expert from SMEM); the Triton lowering produces t
 `__gpu$xla.gpu.triton` call. Neither is compiled or run on a device here.
 """
 
-import base64
 import functools
 import re
 
@@ -54,6 +53,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import _default_block_f, grouped_matmul, grouped_matmul_reference
+from tests.mosaic import mosaic_body
 
 R, D, E, F = 16, 64, 4, 256
 N_MAX = 40
@@ -222,26 +222,13 @@ def _lower(platform: str, **kw) -> str:
   return jax.jit(fn).trace(*QWEN_ARGS).lower(lowering_platforms=(platform,)).as_text()
 
 
-def _mosaic_body(text: str) -> str:
-  """The Mosaic module a tpu_custom_call carries (base64 MLIR bytecode in its config),
-  printed by jaxlib's MLIR with its TPU dialect registered (jax internals, pinned jax)."""
-  from jax._src.lib import tpu  # pylint: disable=g-import-not-at-top
-  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
-  body = re.search(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text).group(1)
-  ctx = ir.Context()
-  tpu.register_dialect(ctx)
-  ctx.allow_unregistered_dialects = True
-  with ctx:
-    return str(ir.Module.parse(base64.b64decode(body)))
-
-
 def test_lowers_for_tpu_at_qwen3_shapes():
   text = _lower("tpu")
   assert "tpu_custom_call" in text and 'kernel_name = "grouped_matmul_tpu"' in text
   # the stacked weights go in whole: no [N, D, F] per-tile weight copy anywhere
   assert "tensor<128x2048x768xbf16>) -> tensor<1152x32x768xf32>" in text
   assert "1152x2048x768" not in text
-  body = _mosaic_body(text)
+  body = mosaic_body(text)
   assert "iteration_bounds = array<i64: 1, 1152>" in body  # (F // block_f, N), block_f = F
   assert "scalar_prefetch = 1" in body and "memref<1152xi32, #tpu.memory_space<smem>>" in body
   assert "window_bounds = array<i64: 1, 2048, 768>" in body  # one expert's [D, F] block
