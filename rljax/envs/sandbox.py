@@ -1,0 +1,775 @@
+"""A sandboxed Python tool: model-written code in a throwaway process with hard limits.
+
+  result = run_python("print(6 * 7)", SandboxLimits(wall_s=5))
+  result.status, result.stdout             # "ok", "42\\n"
+  observation = result.as_observation()    # the compact text a policy sees
+
+`run_python(code, limits, stdin)` never raises on anything the code does. The program's
+own failures (it raised, exited non-zero, ran out of time, CPU, memory or output) are
+observations: `status` says which, `stdout` / `stderr` (each cut at `output_bytes`, with
+a marker) and `detail` say the rest. A failure of the sandbox itself (the interpreter
+could not start, a namespace or mount could not be set up, a report went missing) sets
+`infra_error` and status "infra_error": an env turns that into a failed step (an
+infra_failure episode, kept out of gradients and baselines), never into an observation.
+
+Processes. `run_python` starts `python -I -S sandbox.py --launch CONFIG` (this file as
+a script, stdlib only) in a session and process group of its own, with a minimal
+environment (PATH, LANG, HOME = TMPDIR = the working directory) and only stdin, stdout,
+stderr and a status pipe open. That launcher (P0) sets up the isolation, forks a
+supervisor (P1) that forks the program (P2); P2 sets its rlimits, drops its privileges,
+sets no_new_privs and a parent-death SIGKILL, then execs a fresh `python -I -S -u` (no
+site, no user site, no PYTHON* variables, no script directory on sys.path) that runs
+`main.py` from the working directory (`exit` / `quit` are sys.exit; tracebacks start at
+main.py). P1 reaps P2 and reports its wait status and rusage on the status pipe, so
+exit codes and signals are the program's own. At `wall_s`, or as soon as stdout or stderr
+passes `output_bytes` (the host reads both incrementally and never holds more than that
+plus one 64 KiB chunk), the host SIGKILLs the whole process group; with namespaces that
+kills P1, the pid namespace's init, and the kernel then kills every process in the
+namespace, including ones that left the group with setsid().
+
+Limits (rlimits of P2, inherited by whatever it starts; all enforced by the kernel):
+  RLIMIT_CPU     cpu_s rounded up to whole seconds: SIGXCPU, and SIGKILL one second later
+                 for a program that handles SIGXCPU (status "cpu_limit")
+  RLIMIT_AS      memory_bytes of address space per process. RLIMIT_AS, not RLIMIT_DATA:
+                 it bounds every mapping (brk, anonymous and file mmaps, thread stacks),
+                 so an allocation past it fails at once and Python raises MemoryError
+                 (status "memory_limit") instead of the host running short; it counts
+                 reserved, not touched, memory, so the limit is generous. It is per
+                 process: the total is bounded by max_processes x memory_bytes.
+  RLIMIT_FSIZE   max_file_bytes per file (a write past it fails with EFBIG)
+  RLIMIT_NPROC   max_processes (Linux counts threads too). It is per user, and not
+                 enforced at all for root, so the program never runs as the host's user
+                 when the host is root: it gets a uid of its own (1,600,000,000 + the
+                 launcher's pid, unique among live runs), whose count starts at zero; a
+                 fork bomb then fails to fork past the limit, the host's user is not
+                 charged, and the wall-time kill ends it. Without root, a user
+                 namespace counts the program's processes apart from the host user's.
+  RLIMIT_NOFILE  max_open_files;  RLIMIT_CORE 0 (no core dumps)
+  disk           namespaces only: the working directory is a tmpfs of disk_bytes
+
+Isolation, chosen once per interpreter by `sandbox_isolation()` (a probe run: the
+namespace setup either works or is reported as unavailable, with the reason):
+  "namespaces"  new mount, network, pid, IPC and UTS namespaces (root: directly, with the
+                unique uid above; otherwise inside a new user namespace that maps only
+                the host user's own uid, whose capabilities are gone at the exec).
+                Network: a fresh network namespace holds only a loopback device that is
+                down, so every connect, to 127.0.0.1 included, fails with ENETUNREACH,
+                and DNS lookups fail; the host's listeners are unreachable.
+                Files: every mount is remounted read-only (plus nosuid) in the private
+                mount namespace, then the working directory gets a fresh tmpfs of its
+                own (read-write, disk_bytes, owned by the program's uid): writes anywhere
+                else fail with EROFS (or EACCES), whatever the program does, and the
+                tmpfs disappears with the namespace. /proc is mounted anew for the pid
+                namespace (the program is pid 2 and sees only its own processes). As root
+                with the unique uid, directories on the interpreter's path that other
+                users cannot enter (a pyenv under /root, say) are overlaid by a
+                read-only tmpfs holding only that path, so the rest stays hidden.
+  "audit_hook"  the fallback where namespaces are unavailable (a container without
+                CAP_SYS_ADMIN or user namespaces). A `sys.addaudithook` hook, installed
+                by the bootstrap before the program's first line (a hook cannot be
+                removed), refuses: sockets other than AF_UNIX, AF_UNIX addresses outside
+                the working directory, name lookups; opening for writing, creating,
+                removing, renaming, linking, chmod/chown/utime/truncate of paths outside
+                the working directory (symlinks resolved); starting programs (exec,
+                spawn, system, subprocess, _posixsubprocess), ctypes, gc's object walks,
+                and signals to other processes. PEP 578 hooks are not a security
+                boundary: this stops ordinary code, not a determined adversary (a
+                dir_fd-relative open, say), and a process that calls setsid() can
+                outlive the wall-time kill. The program runs as the host's user, so
+                RLIMIT_NPROC is that user's task count now plus max_processes; for a
+                root host, where RLIMIT_NPROC does not apply, the hook refuses os.fork
+                too (threads remain, bounded by RLIMIT_AS). No disk quota, no pid
+                namespace (the program sees and may read the host's /proc).
+`run_python(..., isolation=...)` forces either mode (the tests run both).
+
+Reading stays allowed wherever the program's uid may read (the stdlib, say): the sandbox
+hides no host files except those overlays. /dev/shm is read-only too, so
+multiprocessing's semaphores are unavailable; /dev/null and friends work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+KiB, MiB = 1024, 1024 * 1024
+STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit",
+            "infra_error")
+ISOLATIONS = ("auto", "namespaces", "audit_hook")
+TRUNCATED = "\n[... output cut at {n} bytes]"
+
+_UID_BASE = 1_600_000_000  # a root host runs each program as _UID_BASE + launcher pid
+_PATH = "/usr/local/bin:/usr/bin:/bin"
+_CHUNK = 64 * KiB
+_KILL_GRACE_S = 5.0  # after a kill, how long to wait for the pipes to close
+_EXIT_GRACE_S = 1.0  # after the launcher exited, how long a leftover may hold a pipe
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+  cpu_s: float = 5.0  # RLIMIT_CPU (rounded up to whole seconds)
+  wall_s: float = 10.0  # the host kills everything at this deadline
+  memory_bytes: int = 512 * MiB  # RLIMIT_AS, per process
+  output_bytes: int = 64 * KiB  # per stream (stdout, stderr); past it: killed
+  max_processes: int = 32  # RLIMIT_NPROC (processes and threads)
+  max_open_files: int = 64  # RLIMIT_NOFILE
+  max_file_bytes: int = 16 * MiB  # RLIMIT_FSIZE
+  disk_bytes: int = 64 * MiB  # the working directory's tmpfs (namespaces only)
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not getattr(self, field.name) > 0:
+        raise ValueError(f"SandboxLimits.{field.name} must be positive, got "
+                         f"{getattr(self, field.name)!r}")
+    if self.max_open_files < 16 or self.memory_bytes < 32 * MiB:
+      raise ValueError("an interpreter needs max_open_files >= 16 and memory_bytes >= 32 MiB")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+  status: str  # one of STATUSES
+  stdout: str  # cut at output_bytes (then TRUNCATED is appended)
+  stderr: str  # likewise
+  exit_code: int | None  # None when a signal ended the program (or it never ran)
+  signal: int | None  # the signal that ended it; SIGKILL when the host killed it
+  wall_s: float
+  cpu_s: float | None  # user + system CPU time of the program (with reaped children)
+  max_rss_bytes: int | None
+  detail: str  # one line: why this status
+  isolation: str  # "namespaces", "audit_hook", or "" when nothing started
+  infra_error: str | None = None  # the sandbox's own failure; None when it worked
+
+  @property
+  def ok(self) -> bool:
+    return self.status == "ok"
+
+  def as_observation(self, max_chars: int = 2000) -> str:
+    """What a policy sees: stdout (its head), stderr (its tail: the traceback's last line
+    is what matters), and for anything but a clean exit a last line "[status: detail]"."""
+    if self.infra_error is not None:
+      return "[sandbox unavailable]"
+    out, err = self.stdout, self.stderr
+    room = max(max_chars - 100, 100)  # the rest is for the status line
+    if len(out) + len(err) > room:
+      err_room = min(len(err), room // 2)
+      if len(out) > room - err_room:
+        out = out[:room - err_room] + "\n[...]"
+      else:
+        err_room = room - len(out)
+      if len(err) > err_room:
+        err = "[...]\n" + err[-err_room:]
+    parts = [out.rstrip("\n")] if out else []
+    if err:
+      parts.append(err.rstrip("\n"))
+    if self.status != "ok":
+      parts.append(f"[{self.status}: {self.detail}]")
+    elif not parts:
+      parts.append("[no output]")
+    return "\n".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+  """Which mechanisms `run_python(..., isolation="auto")` uses on this machine."""
+  mode: str  # "namespaces" | "audit_hook"
+  network: str  # "netns" | "audit_hook"
+  filesystem: str  # "read_only_mounts" | "audit_hook"
+  processes: str  # "pid_namespace" | "process_group"
+  user: str  # "unique_uid" (root host) | "user_namespace" | "host_uid"
+  reason: str = ""  # why namespaces are not used
+
+
+@functools.lru_cache(maxsize=None)
+def sandbox_isolation(interpreter: str | None = None) -> Isolation:
+  """Probes once per interpreter: a trivial program under isolation="namespaces"; if it
+  runs, namespaces are used, else the audit-hook fallback (with the probe's error)."""
+  probe = run_python("pass", SandboxLimits(wall_s=30.0), interpreter=interpreter,
+                     isolation="namespaces")
+  if probe.status == "ok":
+    return Isolation("namespaces", "netns", "read_only_mounts", "pid_namespace",
+                     "unique_uid" if os.geteuid() == 0 else "user_namespace")
+  return Isolation("audit_hook", "audit_hook", "audit_hook", "process_group", "host_uid",
+                   reason=probe.infra_error or f"{probe.status}: {probe.detail}")
+
+
+def sandbox_network_isolation(interpreter: str | None = None) -> str:
+  """"netns" (kernel-enforced) or "audit_hook" (best effort): see the module docstring."""
+  return sandbox_isolation(interpreter).network
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "", *,
+               interpreter: str | None = None, isolation: str = "auto") -> SandboxResult:
+  """Runs `code` as main.py in a fresh sandbox (see the module docstring); stdin is its
+  standard input. Never raises on the program's or the sandbox's failures."""
+  if isolation not in ISOLATIONS:
+    raise ValueError(f"isolation must be one of {ISOLATIONS}, not {isolation!r}")
+  interpreter = interpreter or sys.executable
+  start = time.monotonic()
+  mode, box = "", None
+  try:
+    mode = sandbox_isolation(interpreter).mode if isolation == "auto" else isolation
+    box = tempfile.mkdtemp(prefix="rljax-sandbox-")
+    return _run(code, limits, stdin, interpreter, mode, box)
+  except Exception as e:  # pylint: disable=broad-except  (the sandbox's failure)
+    return _infra(f"{type(e).__name__}: {e}", time.monotonic() - start, mode)
+  finally:
+    if box is not None:
+      _remove_tree(box)
+
+
+# ------------------------------------------------------------------------------- the host
+
+
+def _infra(error: str, wall_s: float, mode: str, stdout: str = "",
+           stderr: str = "") -> SandboxResult:
+  return SandboxResult("infra_error", stdout, stderr, None, None, wall_s, None, None,
+                       "the sandbox failed", mode, error)
+
+
+def _remove_tree(path: str) -> None:
+  """Removes the working directory even where the program took its permissions away."""
+  def retry(fn, p, _):
+    try:
+      os.chmod(os.path.dirname(p), 0o700)
+      os.chmod(p, 0o700)
+      fn(p)
+    except OSError:
+      pass
+  shutil.rmtree(path, onerror=retry)
+
+
+def _kill_group(pgid: int) -> None:
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, mode: str,
+         work: str) -> SandboxResult:
+  work = os.path.realpath(work)
+  with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
+    f.write(code)
+  config = {"mode": mode, "work": work, "limits": dataclasses.asdict(limits)}
+  env = {"PATH": _PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work}
+  status_r, status_w = os.pipe()
+  config["status_fd"] = status_w
+  argv = [interpreter, "-I", "-S", os.path.abspath(__file__), "--launch", json.dumps(config)]
+  start = time.monotonic()
+  try:
+    try:
+      proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, cwd=work,
+                              pass_fds=(status_w,), start_new_session=True)
+    finally:
+      os.close(status_w)
+  except OSError as e:
+    os.close(status_r)
+    return _infra(f"could not start the interpreter {interpreter!r}: {e}",
+                  time.monotonic() - start, mode)
+  try:
+    out, err, status, killed_for = _communicate(proc, status_r, stdin.encode(), limits, start)
+  finally:
+    # whatever is left of the group goes; the launcher is reaped only now, so until here
+    # its pid (the group's id) cannot name anything else
+    _kill_group(proc.pid)
+    proc.wait()
+  wall_s = time.monotonic() - start
+  return _result(out, err, status, killed_for, limits, wall_s, mode, proc.returncode)
+
+
+def _exited(pid: int) -> bool:
+  """Whether the child has exited, without reaping it (its pid stays reserved)."""
+  try:
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+  except ChildProcessError:
+    return True
+
+
+def _communicate(proc: subprocess.Popen, status_fd: int, stdin: bytes, limits: SandboxLimits,
+                 start: float) -> tuple[bytes, bytes, bytes, str | None]:
+  """Feeds stdin and reads stdout, stderr and the status pipe until all three close;
+  kills the process group at the wall deadline or when an output stream passes its cap.
+  Returns (stdout head, stderr head, status bytes, None | "timeout" | "output_limit"); a
+  stream's head is longer than output_bytes exactly when the program wrote more."""
+  out_fd, err_fd, in_fd = proc.stdout.fileno(), proc.stderr.fileno(), proc.stdin.fileno()
+  bufs = {out_fd: bytearray(), err_fd: bytearray(), status_fd: bytearray()}
+  caps = {out_fd: limits.output_bytes + 1, err_fd: limits.output_bytes + 1,
+          status_fd: 64 * KiB}
+  killed_for, stop_at, launcher_done = None, start + limits.wall_s, False
+  sel = selectors.DefaultSelector()
+  try:
+    for fd in bufs:
+      sel.register(fd, selectors.EVENT_READ)
+    if stdin:
+      os.set_blocking(in_fd, False)
+      sel.register(in_fd, selectors.EVENT_WRITE)
+    else:
+      proc.stdin.close()
+    sent = 0
+    while sel.get_map():
+      if not launcher_done and _exited(proc.pid):
+        launcher_done = True  # the program was reaped: EOFs are due now
+        stop_at = min(stop_at, time.monotonic() + _EXIT_GRACE_S)
+      timeout = stop_at - time.monotonic()
+      if timeout <= 0:
+        if killed_for is not None or launcher_done:
+          break  # a leftover (or a process that ignored the kill) holds a pipe: stop
+        killed_for = "timeout"
+        _kill_group(proc.pid)
+        stop_at = time.monotonic() + _KILL_GRACE_S
+        continue
+      for key, _ in sel.select(min(timeout, 0.25)):
+        fd = key.fd
+        if fd == in_fd:
+          try:
+            sent += os.write(fd, stdin[sent:sent + _CHUNK])
+          except (BlockingIOError, InterruptedError):
+            continue
+          except OSError:  # the program closed its stdin
+            sent = len(stdin)
+          if sent >= len(stdin):
+            sel.unregister(fd)
+            proc.stdin.close()
+          continue
+        chunk = os.read(fd, _CHUNK)
+        if not chunk:
+          sel.unregister(fd)
+          continue
+        buf = bufs[fd]
+        if len(buf) < caps[fd]:
+          buf += chunk[:caps[fd] - len(buf)]
+        if fd != status_fd and len(buf) > limits.output_bytes and killed_for is None:
+          killed_for = "output_limit"
+          _kill_group(proc.pid)
+          stop_at = time.monotonic() + _KILL_GRACE_S
+  finally:
+    sel.close()
+    if not proc.stdin.closed:
+      try:
+        proc.stdin.close()
+      except OSError:
+        pass
+    os.close(status_fd)
+  return bytes(bufs[out_fd]), bytes(bufs[err_fd]), bytes(bufs[status_fd]), killed_for
+
+
+def _text(raw: bytes, cap: int) -> str:
+  text = raw[:cap].decode("utf-8", "replace")
+  return text + TRUNCATED.format(n=cap) if len(raw) > cap else text
+
+
+def _last_line(text: str) -> str:
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  return lines[-1] if lines else ""
+
+
+def _result(out: bytes, err: bytes, status_bytes: bytes, killed_for: str | None,
+            limits: SandboxLimits, wall_s: float, mode: str,
+            launcher_code: int | None) -> SandboxResult:
+  stdout, stderr = _text(out, limits.output_bytes), _text(err, limits.output_bytes)
+  reports = {}
+  for line in status_bytes.decode("utf-8", "replace").splitlines():
+    try:
+      message = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(message, dict):
+      for k, v in message.items():
+        reports.setdefault(k, v)
+  if "setup_error" in reports:
+    return _infra(f"sandbox setup failed: {reports['setup_error']}", wall_s, mode,
+                  stdout, stderr)
+  cpu_s, rss = reports.get("cpu_s"), reports.get("max_rss_bytes")
+
+  def result(status, exit_code, sig, detail):
+    return SandboxResult(status, stdout, stderr, exit_code, sig, wall_s, cpu_s, rss, detail,
+                         mode)
+
+  if killed_for == "output_limit":
+    which = "stdout" if len(out) > limits.output_bytes else "stderr"
+    return result("output_limit", None, signal.SIGKILL,
+                  f"killed: {which} passed {limits.output_bytes} bytes")
+  if killed_for == "timeout" and "started" not in reports:
+    return _infra(f"the sandbox did not start the program within {limits.wall_s:g} s",
+                  wall_s, mode, stdout, stderr)
+  if killed_for == "timeout":
+    return result("timeout", None, signal.SIGKILL,
+                  f"killed after {limits.wall_s:g} s of wall time")
+  if "wait_status" not in reports:
+    return _infra("the sandbox's supervisor ended without reporting the program's status "
+                  f"(launcher exit code {launcher_code})", wall_s, mode, stdout, stderr)
+  wait_status, cpu_limit = reports["wait_status"], math.ceil(limits.cpu_s)
+  if os.WIFSIGNALED(wait_status):
+    sig = os.WTERMSIG(wait_status)
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (cpu_s or 0.0) >= cpu_limit - 0.05):
+      return result("cpu_limit", None, sig, f"killed after {cpu_limit} s of CPU time")
+    try:
+      name = signal.Signals(sig).name
+    except ValueError:
+      name = f"signal {sig}"
+    return result("error", None, sig, f"killed by {name}")
+  code = os.WEXITSTATUS(wait_status)
+  if code == 0:
+    return result("ok", 0, None, "exit code 0")
+  if _last_line(stderr).startswith("MemoryError"):
+    return result("memory_limit", code, None,
+                  f"MemoryError: more than {limits.memory_bytes} bytes of address space")
+  return result("error", code, None, f"exit code {code}")
+
+
+# --------------------------------------------------------------------- inside the sandbox
+
+# The program's interpreter runs this with -c before main.py:
+# argv = [-c, mode, working directory, may_fork ("1" | "0")].
+_BOOTSTRAP = r'''
+import sys
+
+
+def _guard(root, may_fork):
+  import os
+  realpath, fsdecode, AF_UNIX = os.path.realpath, os.fsdecode, 1
+  me, writes = os.getpid(), os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+  deny_always = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.forkpty",
+                 "subprocess.Popen", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+                 "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                 "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
+                 "socket.getnameinfo", "socket.gethostbyname_ex"}
+  path_events = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
+                 "os.link": (0, 1), "os.symlink": (1,), "os.truncate": (0,),
+                 "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,), "os.chflags": (0,),
+                 "os.lchflags": (0,), "os.setxattr": (0,), "os.removexattr": (0,),
+                 "shutil.rmtree": (0,)}
+  blocked_imports = {"_posixsubprocess", "_ctypes", "ctypes", "_xxsubinterpreters"}
+  if not may_fork:
+    deny_always.add("os.fork")
+
+  def inside(path):
+    if isinstance(path, int):
+      return True  # an open descriptor
+    p = realpath(fsdecode(path))
+    return p == root or p.startswith(root + "/")
+
+  def deny(event):
+    raise PermissionError(f"sandbox: {event} is not allowed here")
+
+  def hook(event, args):
+    if event == "open":
+      path, mode, flags = args
+      wants = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+          isinstance(flags, int) and flags > 0 and flags & writes)
+      if wants and path is not None and not inside(path):
+        deny(f"writing {fsdecode(path)!r}")
+    elif event in path_events:
+      for i in path_events[event]:
+        if args[i] is not None and not inside(args[i]):
+          deny(f"{event} of {fsdecode(args[i])!r}")
+    elif event in deny_always:
+      deny(event)
+    elif event == "import" and args[0] in blocked_imports:
+      deny(f"import {args[0]}")
+    elif event == "socket.__new__" and args[1] != AF_UNIX:
+      deny("a network socket")
+    elif event in ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"):
+      address = args[1]
+      if not (isinstance(address, (str, bytes)) and address[:1] not in ("\0", b"\0", "", b"")
+              and inside(address)):
+        deny(f"{event} to {address!r}")
+    elif event in ("os.kill", "os.killpg") and args[0] not in (0, me, os.getpgid(0)):
+      deny(f"{event} of another process")
+
+  sys.addaudithook(hook)
+
+
+def _main(mode, root, may_fork):
+  import builtins
+  if mode == "audit_hook":
+    _guard(root, may_fork == "1")
+  builtins.exit = builtins.quit = sys.exit
+  with open("main.py", "rb") as f:
+    source = f.read()
+  main = type(sys)("__main__")
+  main.__file__, main.__builtins__ = "main.py", builtins
+  sys.modules["__main__"], sys.argv = main, ["main.py"]
+  try:
+    exec(compile(source, "main.py", "exec"), main.__dict__)
+  except SystemExit:
+    raise
+  except BaseException as e:
+    frames, tb = [], e.__traceback__  # from main.py's first frame on, without this file's
+    while tb is not None:
+      if tb.tb_frame.f_code.co_filename != "<sandbox>" and (
+          frames or tb.tb_frame.f_code.co_filename == "main.py"):
+        frames.append(tb)
+      tb = tb.tb_next
+    for a, b in zip(frames, frames[1:] + [None]):
+      a.tb_next = b
+    sys.excepthook(type(e), e, e.with_traceback(frames[0] if frames else None).__traceback__)
+    sys.exit(1)
+
+
+_main(*sys.argv[1:4])
+'''
+
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
+_MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
+_MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
+                "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
+                "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME,
+                "nosymfollow": 256}  # a remount keeps what it may not clear in a user ns
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+
+
+class _Libc:
+  """The few system calls the launcher needs that the os module lacks (via ctypes)."""
+
+  def __init__(self):
+    import ctypes  # pylint: disable=import-outside-toplevel
+    self._ctypes = ctypes
+    self._libc = ctypes.CDLL(None, use_errno=True)
+
+  def _check(self, rc: int, what: str) -> None:
+    if rc != 0:
+      errno = self._ctypes.get_errno()
+      raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+  def unshare(self, flags: int) -> None:
+    self._check(self._libc.unshare(flags), "unshare")
+
+  def mount(self, source: str | None, target: str, fstype: str | None, flags: int,
+            data: str | None = None) -> None:
+    def enc(s):
+      return None if s is None else s.encode()
+    rc = self._libc.mount(enc(source), enc(target), enc(fstype),
+                          self._ctypes.c_ulong(flags), enc(data))
+    self._check(rc, f"mount {target}")
+
+  def prctl(self, option: int, value: int) -> None:
+    self._check(self._libc.prctl(option, self._ctypes.c_ulong(value), 0, 0, 0), "prctl")
+
+
+def _report(fd: int, **message) -> None:
+  try:
+    os.write(fd, (json.dumps(message) + "\n").encode())
+  except OSError:
+    pass
+
+
+def _quiet_stdio() -> None:
+  """Lets go of the program's pipes: EOF on them is then up to the program alone."""
+  null = os.open(os.devnull, os.O_RDWR)
+  for fd in (0, 1, 2):
+    os.dup2(null, fd)
+  os.close(null)
+
+
+def _write_file(path: str, text: str) -> None:
+  with open(path, "w", encoding="ascii") as f:
+    f.write(text)
+
+
+def _mounts() -> list[tuple[str, list[str]]]:
+  """(mount point, per-mount options) of every mount, from /proc/self/mountinfo."""
+  def unescape(s):
+    out, i = [], 0
+    while i < len(s):
+      if s[i] == "\\" and s[i + 1:i + 4].isdigit():
+        out.append(chr(int(s[i + 1:i + 4], 8)))
+        i += 4
+      else:
+        out.append(s[i])
+        i += 1
+    return "".join(out)
+  with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+    return [(unescape(line.split()[4]), line.split()[5].split(",")) for line in f]
+
+
+def _traversable(path: str, uid: int, gid: int) -> bool:
+  st = os.stat(path)
+  bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+  return bool(st.st_mode & bit)
+
+
+def _expose(libc: _Libc, targets: set[str], uid: int, gid: int) -> None:
+  """Makes each target path reachable for uid: a directory on the way that uid cannot
+  enter is overlaid by a tmpfs holding only mount points of the children on the way,
+  each bound to the original (made read-only with every other mount later)."""
+  originals: dict[str, int] = {}  # overlaid directory -> O_PATH descriptor of the original
+  for target in sorted(targets):
+    parent = "/"
+    for name in [p for p in target.split("/") if p]:
+      child = os.path.join(parent, name)
+      if parent in originals and not os.path.lexists(child):
+        source = f"/proc/self/fd/{originals[parent]}/{name}"
+        if os.path.isdir(source):
+          os.mkdir(child, 0o755)
+        else:
+          os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
+        libc.mount(source, child, None, _MS_BIND | _MS_REC)
+      if not os.path.isdir(child):
+        break
+      if not _traversable(child, uid, gid):
+        originals[child] = os.open(child, os.O_PATH | os.O_DIRECTORY)
+        libc.mount("tmpfs", child, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
+      parent = child
+
+
+def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
+                   disk_bytes: int) -> None:
+  """In the new mount namespace: a fresh /proc, the interpreter made reachable, a tmpfs
+  on the working directory, and every other mount read-only."""
+  libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+  try:  # best effort: without it /proc shows the host's processes (read-only)
+    libc.mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+  except OSError:
+    pass
+  if root:
+    targets = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix,
+                                             sys.exec_prefix, sys.base_exec_prefix)}
+    targets.add(os.path.dirname(os.path.abspath(sys.executable)))
+    _expose(libc, targets, uid, gid)
+  main = os.path.join(work, "main.py")
+  with open(main, "rb") as f:
+    source = f.read()
+  libc.mount("tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
+             f"size={disk_bytes},mode=0700,uid={uid},gid={gid}")
+  with open(main, "wb") as f:
+    f.write(source)
+  os.chown(main, uid, gid)
+  failed = []
+  for point, options in _mounts():
+    if point == work:
+      continue
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
+    for option in options:
+      flags |= _MOUNT_FLAGS.get(option, 0)
+    try:
+      libc.mount(None, point, None, flags)
+    except OSError as e:
+      # EACCES: a mount the program's uid cannot reach either; ENOENT: gone, or hidden
+      if e.errno not in (13, 2):
+        failed.append(f"{point}: {e.strerror}")
+  if failed:
+    raise OSError(f"could not make these mounts read-only: {'; '.join(failed)}")
+
+
+def _tasks_of(uid: int) -> int:
+  """How many tasks (threads) the user runs now: RLIMIT_NPROC's count."""
+  count = 0
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+      if int(fields["Uid"].split()[0]) == uid:
+        count += int(fields["Threads"])
+    except (OSError, ValueError, KeyError):
+      continue
+  return count
+
+
+def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
+                  drop: bool, ns: bool) -> None:
+  """P2: limits, identity, then the program's interpreter. Never returns."""
+  import resource  # pylint: disable=import-outside-toplevel
+  try:
+    limits = config["limits"]
+    if drop or not ns:
+      nproc = limits["max_processes"] + (0 if drop else _tasks_of(os.getuid()))
+    else:  # a user namespace: P0 and P1 count too
+      nproc = limits["max_processes"] + 2
+    cpu = math.ceil(limits["cpu_s"])
+    for which, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
+                         (resource.RLIMIT_AS, limits["memory_bytes"]),
+                         (resource.RLIMIT_FSIZE, limits["max_file_bytes"]),
+                         (resource.RLIMIT_NPROC, nproc),
+                         (resource.RLIMIT_NOFILE, limits["max_open_files"]),
+                         (resource.RLIMIT_CORE, 0)):
+      resource.setrlimit(which, value if isinstance(value, tuple) else (value, value))
+    if drop:
+      os.setgroups([])
+      os.setresgid(gid, gid, gid)
+      os.setresuid(uid, uid, uid)
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+    work = config["work"]
+    env = {"PATH": _PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
+           "TMPDIR": work}
+    bootstrap = f"exec(compile({_BOOTSTRAP!r}, '<sandbox>', 'exec'))"
+    may_fork = "1" if ns or os.getuid() != 0 else "0"  # RLIMIT_NPROC holds, or no fork
+    os.execve(sys.executable, [sys.executable, "-I", "-S", "-u", "-c", bootstrap,
+                               config["mode"], work, may_fork], env)
+  except BaseException as e:  # pylint: disable=broad-except
+    _report(status_fd, setup_error=f"starting the program: {type(e).__name__}: {e}")
+  os._exit(127)  # pylint: disable=protected-access
+
+
+def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, drop: bool,
+               ns: bool) -> None:
+  """P1 (the pid namespace's init with namespaces): mounts, then the program; reports
+  its wait status and rusage. Never returns."""
+  try:
+    if ns:
+      _set_up_mounts(libc, config["work"], uid, gid, drop, config["limits"]["disk_bytes"])
+    os.chdir(config["work"])
+    program = os.fork()
+  except BaseException as e:  # pylint: disable=broad-except
+    _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
+    os._exit(1)  # pylint: disable=protected-access
+  if program == 0:
+    _exec_program(libc, config, status_fd, uid, gid, drop, ns)
+  _report(status_fd, started=True)
+  _quiet_stdio()
+  while True:  # reaps orphans too (in a pid namespace they come to its init)
+    try:
+      pid, wait_status, usage = os.wait4(-1, 0)
+    except ChildProcessError:
+      break
+    if pid == program:
+      _report(status_fd, wait_status=wait_status, cpu_s=usage.ru_utime + usage.ru_stime,
+              max_rss_bytes=usage.ru_maxrss * 1024)
+      break
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def _launch(config: dict) -> None:
+  """P0, run as `python -I -S sandbox.py --launch CONFIG` by run_python."""
+  status_fd = config["status_fd"]
+  os.set_inheritable(status_fd, False)  # the program's exec closes it
+  try:
+    libc = _Libc()
+    ns, root = config["mode"] == "namespaces", os.geteuid() == 0
+    drop = root and ns  # a uid of its own (see the module docstring)
+    uid, gid = ((_UID_BASE + os.getpid(),) * 2 if drop else (os.getuid(), os.getgid()))
+    if ns:
+      flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+      libc.unshare(flags if root else flags | _CLONE_NEWUSER)
+      if not root:
+        _write_file("/proc/self/setgroups", "deny")
+        _write_file("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write_file("/proc/self/gid_map", f"{gid} {gid} 1")
+    supervisor = os.fork()
+  except BaseException as e:  # pylint: disable=broad-except
+    _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
+    os._exit(1)  # pylint: disable=protected-access
+  if supervisor == 0:
+    _supervise(libc, config, status_fd, uid, gid, drop, ns)
+  _quiet_stdio()
+  os.waitpid(supervisor, 0)
+  os._exit(0)  # pylint: disable=protected-access
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:
+  _launch(json.loads(sys.argv[2]))

@@ -1,0 +1,401 @@
+"""The sandboxed Python tool: every limit contained and reported, the host unharmed.
+
+Each test runs in every isolation this machine offers (`namespaces` where the probe
+succeeds, and always the `audit_hook` fallback); a root host also runs the sandbox as an
+unprivileged user (the user-namespace path)."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import pytest
+
+from rljax.envs import sandbox
+from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_isolation
+
+ISOLATION = sandbox_isolation()
+MODES = ["namespaces", "audit_hook"] if ISOLATION.mode == "namespaces" else ["audit_hook"]
+ROOT = os.geteuid() == 0
+
+
+def last_line(text: str) -> str:
+  lines = [line for line in text.strip().splitlines() if line.strip()]
+  return lines[-1] if lines else ""
+
+
+def tasks_of(uid: int) -> int:
+  """Live processes of uid on the host."""
+  count = 0
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        uids = next(line for line in f if line.startswith("Uid:"))
+      count += int(uids.split()[1]) == uid
+    except (OSError, StopIteration, ValueError):
+      continue
+  return count
+
+
+def wait_until_gone(uid: int, timeout_s: float = 10.0) -> int:
+  """The pid namespace is torn down asynchronously after its init dies."""
+  deadline = time.monotonic() + timeout_s
+  while tasks_of(uid) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return tasks_of(uid)
+
+
+def test_isolation_is_detected_and_active():
+  assert ISOLATION.mode in ("namespaces", "audit_hook")
+  assert sandbox.sandbox_network_isolation() == ISOLATION.network
+  if ISOLATION.mode == "audit_hook":
+    assert ISOLATION.network == ISOLATION.filesystem == "audit_hook" and ISOLATION.reason
+    pytest.skip(f"namespaces unavailable here: {ISOLATION.reason}")
+  assert (ISOLATION.network, ISOLATION.filesystem, ISOLATION.processes) == (
+      "netns", "read_only_mounts", "pid_namespace")
+  assert ISOLATION.user == ("unique_uid" if ROOT else "user_namespace")
+  code = ("import os, socket\n"
+          "print(os.getpid(), os.getuid())\n"
+          "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+          "print([name for _, name in socket.if_nameindex()])\n"
+          "print(sorted(os.environ))\n")
+  r = run_python(code)
+  assert r.status == "ok" and r.isolation == "namespaces", r
+  pid_uid, procs, links, env = r.stdout.splitlines()
+  pid, uid = map(int, pid_uid.split())
+  assert pid == 2 and procs == "[1, 2]"  # a pid namespace of its own, a fresh /proc
+  assert links == "['lo']"  # a network namespace of its own
+  assert uid != 0 and (uid >= 1_600_000_000 if ROOT else uid == os.getuid())
+  assert env == str(sorted(["PATH", "LANG", "LC_ALL", "HOME", "TMPDIR"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normal_program_stdin_and_exit_codes(mode):
+  r = run_python("import sys\nprint(sum(range(10)))\nprint(sys.stdin.read().upper(), end='')",
+                 stdin="hello\nworld\n", isolation=mode)
+  assert (r.status, r.exit_code, r.signal, r.infra_error) == ("ok", 0, None, None), r
+  assert r.stdout == "45\nHELLO\nWORLD\n" and r.stderr == "" and r.ok
+  assert r.isolation == mode and r.cpu_s is not None and r.max_rss_bytes > 0
+  big = "x" * (1 << 20)  # more than a pipe holds: fed as the program reads
+  r = run_python("import sys\nprint(len(sys.stdin.read()))", stdin=big, isolation=mode)
+  assert r.stdout == f"{len(big)}\n", r
+  r = run_python("print('bye')\nexit(3)", isolation=mode)  # exit/quit exist without site
+  assert (r.status, r.exit_code, r.stdout) == ("error", 3, "bye\n"), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_raising_program_is_an_observation(mode):
+  r = run_python("def f():\n  raise ValueError('boom')\nf()", isolation=mode)
+  assert (r.status, r.exit_code, r.infra_error) == ("error", 1, None), r
+  assert last_line(r.stderr) == "ValueError: boom"
+  assert r.stderr.startswith('Traceback (most recent call last):\n  File "main.py", line 3')
+  assert "<sandbox>" not in r.stderr  # the bootstrap's frames are cut
+  obs = r.as_observation()
+  assert "ValueError: boom" in obs and obs.endswith("[error: exit code 1]")
+  r = run_python("x = (", isolation=mode)
+  assert r.status == "error" and last_line(r.stderr).startswith("SyntaxError"), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_loop_hits_the_wall_and_the_cpu_limits(mode):
+  r = run_python("while True:\n  pass", SandboxLimits(cpu_s=60, wall_s=1), isolation=mode)
+  assert (r.status, r.signal, r.exit_code) == ("timeout", signal.SIGKILL, None), r
+  assert r.wall_s >= 1.0  # not before its deadline
+  assert r.as_observation().endswith("[timeout: killed after 1 s of wall time]")
+  r = run_python("import time\ntime.sleep(600)", SandboxLimits(wall_s=1), isolation=mode)
+  assert r.status == "timeout", r  # no CPU used: only the wall clock ends it
+  r = run_python("while True:\n  pass", SandboxLimits(cpu_s=1, wall_s=20), isolation=mode)
+  assert (r.status, r.signal) == ("cpu_limit", signal.SIGXCPU) and r.cpu_s > 0.9, r
+  # a program that catches SIGXCPU is killed by the hard limit a second later
+  r = run_python("import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\n"
+                 "while True:\n  pass", SandboxLimits(cpu_s=1, wall_s=20), isolation=mode)
+  assert (r.status, r.signal) == ("cpu_limit", signal.SIGKILL), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_hog(mode):
+  limits = SandboxLimits(memory_bytes=256 * sandbox.MiB)
+  for code in ("b = bytearray(4 << 30)", "a = []\nwhile True:\n  a.append(bytearray(10**7))"):
+    r = run_python(code, limits, isolation=mode)
+    assert (r.status, r.exit_code) == ("memory_limit", 1), r
+    assert last_line(r.stderr) == "MemoryError" and r.max_rss_bytes < 300 * sandbox.MiB
+  assert run_python("print(1)", isolation=mode).stdout == "1\n"  # the host carries on
+  r = run_python("open('f', 'wb').write(b'x' * (2 << 20))",
+                 SandboxLimits(max_file_bytes=1 << 20), isolation=mode)  # RLIMIT_FSIZE
+  assert r.status == "error" and "File too large" in last_line(r.stderr), r
+
+
+FORK_BOMB = """import os
+print(os.getuid(), flush=True)
+while True:
+  try:
+    if os.fork() == 0:
+      os.setsid()  # leave the process group: only a pid namespace still holds them
+  except OSError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_bomb_is_contained(mode):
+  r = run_python(FORK_BOMB, SandboxLimits(max_processes=16, wall_s=2), isolation=mode)
+  assert r.status == "timeout" and r.infra_error is None, r
+  if mode == "audit_hook" and ROOT:  # RLIMIT_NPROC does not apply to root: no fork at all
+    r = run_python("import os\nos.fork()", isolation=mode)
+    assert last_line(r.stderr) == "PermissionError: sandbox: os.fork is not allowed here"
+  assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
+  if mode == "namespaces" and ROOT:  # a uid of its own: none of its processes is left
+    assert wait_until_gone(int(r.stdout.split()[0])) == 0
+
+
+def test_concurrent_runs_do_not_share_a_process_limit():
+  if ISOLATION.mode != "namespaces":
+    pytest.skip("needs namespaces")
+  results = {}
+  bomb = threading.Thread(target=lambda: results.update(
+      bomb=run_python(FORK_BOMB, SandboxLimits(max_processes=16, wall_s=3))))
+  bomb.start()
+  time.sleep(1.0)  # the bomb is at its limit now
+  code = "import threading\nt = threading.Thread(target=print, args=('forked',))\n" \
+         "t.start(); t.join()"
+  results["neighbour"] = run_python(code, SandboxLimits(max_processes=16))
+  bomb.join()
+  assert results["bomb"].status == "timeout"
+  assert (results["neighbour"].status, results["neighbour"].stdout) == ("ok", "forked\n")
+
+
+def test_leftover_processes_end_with_the_run():
+  # a daemon that outlives the program: the namespace (or the process group) ends it
+  code = ("import os, time\nchild = os.fork()\nif child == 0:\n  {setsid}time.sleep(60)\n"
+          "print(os.getuid(), child, flush=True)\n")
+  for mode in MODES:
+    setsid = "os.setsid(); " if mode == "namespaces" else ""
+    r = run_python(code.format(setsid=setsid), SandboxLimits(wall_s=20), isolation=mode)
+    if mode == "audit_hook" and ROOT:  # no fork at all (test_fork_bomb_is_contained)
+      assert r.status == "error" and "os.fork is not allowed" in r.stderr, r
+      continue
+    assert r.status == "ok", r  # not "timeout": the run did not wait for the daemon
+    uid, child = map(int, r.stdout.split())
+    if mode == "namespaces" and ROOT:
+      assert wait_until_gone(uid) == 0
+    if mode == "audit_hook":  # a host pid: killed with the process group at the end
+      deadline = time.monotonic() + 10
+      while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        with open(f"/proc/{child}/stat", encoding="ascii", errors="replace") as f:
+          if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+            break  # dead, waiting for init to reap it
+        time.sleep(0.05)
+      else:
+        assert not os.path.exists(f"/proc/{child}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_network_is_cut(mode):
+  listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(8)
+  port = listener.getsockname()[1]
+  try:
+    code = ("import socket\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+            "s.settimeout(3)\n"
+            f"s.connect(('127.0.0.1', {port}))\n"
+            "print('connected')\n")
+    r = run_python(code, isolation=mode)
+    assert r.status == "error" and "connected" not in r.stdout, r
+    if mode == "namespaces":
+      assert last_line(r.stderr) == "OSError: [Errno 101] Network is unreachable"
+    else:
+      assert last_line(r.stderr).startswith("PermissionError: sandbox: a network socket")
+    udp = ("import socket\n"
+           f"socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {port}))")
+    assert run_python(udp, isolation=mode).status == "error"
+    lookup = "import socket\nprint(socket.getaddrinfo('example.com', 80))"  # DNS
+    assert run_python(lookup, isolation=mode).status == "error"
+    listener.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+      listener.accept()  # nothing ever reached the listener
+  finally:
+    listener.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_huge_output_is_cut_and_the_host_holds_little(mode):
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  limits = SandboxLimits(output_bytes=100_000)
+  r = run_python("import sys\nsys.stdout.write('x' * 10**8)\nwhile True:\n  print('y' * 999)",
+                 limits, isolation=mode)
+  grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+  assert (r.status, r.signal) == ("output_limit", signal.SIGKILL), r
+  assert r.stdout == "x" * 100_000 + sandbox.TRUNCATED.format(n=100_000)
+  assert grown < 50 * sandbox.MiB  # 100 MB were written; the host kept 100 kB of it
+  r = run_python("import sys\nwhile True:\n  sys.stderr.write('e' * 999)", limits,
+                 isolation=mode)
+  assert r.status == "output_limit" and len(r.stderr) < 100_100 and r.stdout == "", r
+  assert r.detail == "killed: stderr passed 100000 bytes"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_outside_the_working_directory_fail(mode, tmp_path):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("intact")
+  escapes = [tmp_path / "escaped.txt", f"/tmp/rljax-sandbox-escape-{uuid.uuid4().hex}.txt"]
+  code = f"""import os, tempfile
+def attempt(name, fn):
+  try:
+    fn()
+    print(name, "done")
+  except OSError as e:
+    print(name, "refused", e.errno)
+attempt("write-tmp-path", lambda: open({str(escapes[0])!r}, "w").write("x"))
+attempt("write-tmp", lambda: open({escapes[1]!r}, "w").write("x"))
+attempt("os-open", lambda: os.open({escapes[1]!r}, os.O_WRONLY | os.O_CREAT))
+attempt("remove", lambda: os.remove({str(victim)!r}))
+attempt("rename", lambda: os.rename({str(victim)!r}, {str(victim) + ".moved"!r}))
+attempt("append", lambda: open({str(victim)!r}, "a").write("x"))
+attempt("mkdir", lambda: os.mkdir("/tmp/rljax-sandbox-escape-dir-{uuid.uuid4().hex}"))
+attempt("symlink-out", lambda: (os.symlink({escapes[1]!r}, "link"), open("link", "w")))
+attempt("inside", lambda: open("inside.txt", "w").write("kept"))
+attempt("inside-dir", lambda: os.makedirs("a/b"))
+attempt("tempfile", lambda: tempfile.mkstemp())
+print(open("inside.txt").read(), sorted(os.listdir(".")))
+"""
+  r = run_python(code, isolation=mode)
+  assert r.status == "ok", r
+  lines = dict(line.split(" ", 1) for line in r.stdout.splitlines()[:-1])
+  outside = ["write-tmp-path", "write-tmp", "os-open", "remove", "rename", "append", "mkdir",
+             "symlink-out"]
+  assert all(lines[k].startswith("refused") for k in outside), lines
+  assert lines["inside"] == lines["inside-dir"] == lines["tempfile"] == "done", lines
+  if mode == "namespaces":  # the kernel says no: a read-only mount
+    assert lines["write-tmp"] == "refused 30"  # EROFS
+  assert r.stdout.splitlines()[-1].startswith("kept ['a', 'inside.txt', 'link', 'main.py'")
+  assert victim.read_text() == "intact" and not any(os.path.lexists(p) for p in escapes)
+  assert not os.path.exists(str(victim) + ".moved")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_working_directory_is_removed(mode):
+  r = run_python("import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\n"
+                 "os.chmod('.', 0)", isolation=mode)
+  assert r.status == "ok" and os.path.basename(r.stdout.strip()).startswith("rljax-sandbox-")
+  assert not os.path.exists(r.stdout.strip())
+  r = run_python("import os\nprint(os.getcwd())\nwhile True:\n  pass", SandboxLimits(wall_s=1),
+                 isolation=mode)
+  assert r.status == "timeout" and not os.path.exists(r.stdout.strip())
+
+
+def test_infra_failures_are_reported_not_raised(monkeypatch):
+  r = run_python("print(1)", interpreter="/nonexistent/python3")
+  assert (r.status, r.stdout, r.ok) == ("infra_error", "", False)
+  assert "could not start the interpreter" in r.infra_error
+  assert r.as_observation() == "[sandbox unavailable]"
+  r = run_python("print(1)", interpreter=shutil.which("false"), isolation="audit_hook")
+  assert r.status == "infra_error" and "without reporting" in r.infra_error, r
+
+  def no_temp_dir(**_):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(sandbox.tempfile, "mkdtemp", no_temp_dir)
+  r = run_python("print(1)")
+  assert r.status == "infra_error" and "No space left" in r.infra_error, r
+  with pytest.raises(ValueError):
+    run_python("print(1)", isolation="chroot")  # a caller's bug, not the sandbox's
+  with pytest.raises(ValueError):
+    SandboxLimits(wall_s=0)
+
+
+def test_as_observation():
+  def result(status, stdout="", stderr="", detail=""):
+    return SandboxResult(status, stdout, stderr, 0, None, 0.1, 0.1, 1, detail, "namespaces")
+
+  assert result("ok", "42\n").as_observation() == "42"
+  assert result("ok").as_observation() == "[no output]"
+  obs = result("timeout", "partial\n", "", "killed after 1 s of wall time").as_observation()
+  assert obs == "partial\n[timeout: killed after 1 s of wall time]"
+  long = result("error", "o" * 5000, "e" * 5000 + "\nValueError: x\n", "exit code 1")
+  obs = long.as_observation(max_chars=500)
+  assert len(obs) <= 500 and obs.startswith("ooo") and "ValueError: x" in obs, obs
+  assert obs.endswith("[error: exit code 1]")
+
+
+# setpriv may exec a binary its new user cannot reach: check that the prefix is reachable
+REACHABLE = "import os, sys, ctypes; os.stat(os.path.realpath(sys.executable)); os.listdir(sys.prefix)"
+USER_NS_CHILD = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox_copy", sys.argv[1])
+sb = importlib.util.module_from_spec(spec)
+sys.modules["sandbox_copy"] = sb
+spec.loader.exec_module(sb)
+port, escape = int(sys.argv[2]), sys.argv[3]
+bomb = sys.argv[4]
+out = {"isolation": sb.sandbox_isolation().user}
+for name, code, limits in [
+    ("facts", "import os; print(os.getpid(), os.getuid())", sb.SandboxLimits()),
+    ("connect", f"import socket; socket.socket().connect(('127.0.0.1', {port}))",
+     sb.SandboxLimits()),
+    ("write", f"open({escape!r}, 'w')", sb.SandboxLimits()),
+    ("bomb", bomb, sb.SandboxLimits(max_processes=16, wall_s=2))]:
+  r = sb.run_python(code, limits)
+  out[name] = [r.status, r.stdout, r.stderr.strip().splitlines()[-1:]]
+print(json.dumps(out))
+"""
+
+
+def test_unprivileged_host_uses_a_user_namespace():
+  if not ROOT or ISOLATION.mode != "namespaces" or not shutil.which("setpriv"):
+    pytest.skip("needs a root host (to become an unprivileged user) with namespaces")
+  copy_dir = tempfile.mkdtemp(prefix="rljax-sandbox-test-")
+  try:
+    _unprivileged_host(copy_dir)
+  finally:
+    shutil.rmtree(copy_dir)
+
+
+def _unprivileged_host(copy_dir):
+  source = os.path.join(copy_dir, "sandbox_copy.py")  # readable by nobody wherever the repo is
+  shutil.copy(sandbox.__file__, source)
+  os.chmod(copy_dir, 0o755)
+  os.chmod(source, 0o644)
+  nobody_before = tasks_of(65534)
+  as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+  python = next((p for p in (sys.executable, "/usr/bin/python3", shutil.which("python3"))
+                 if p and subprocess.run(as_nobody + [p, "-I", "-S", "-c", REACHABLE],
+                                         capture_output=True, check=False).returncode == 0),
+                None)
+  if python is None:
+    pytest.skip("no Python interpreter that an unprivileged user may run")
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(8)
+  escape = f"/tmp/rljax-sandbox-escape-{uuid.uuid4().hex}"
+  try:
+    child = subprocess.run(
+        as_nobody + [python, "-I", "-c", USER_NS_CHILD, str(source),
+                     str(listener.getsockname()[1]), escape, FORK_BOMB],
+        capture_output=True, text=True, timeout=60, check=False, cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout)
+    listener.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+      listener.accept()
+  finally:
+    listener.close()
+  assert out["isolation"] == "user_namespace", out
+  assert out["facts"][:2] == ["ok", "2 65534\n"], out
+  assert out["connect"][0] == "error" and "Network is unreachable" in out["connect"][2][0]
+  assert out["write"][0] == "error" and "Read-only file system" in out["write"][2][0]
+  assert out["bomb"][0] == "timeout" and not os.path.exists(escape)
+  deadline = time.monotonic() + 10
+  while tasks_of(65534) > nobody_before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert tasks_of(65534) <= nobody_before
