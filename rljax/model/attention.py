@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import det_attention as det_kernels
 # NEG, attend and gather_blocks are part of this module's API too (the engine's tests)
 from rljax.block_attention import NEG, as_values, attend, gather_blocks  # noqa: F401
+from rljax.model.config import KERNELS
 from rljax.numerics import FAST, Numerics
 
 
@@ -102,23 +103,20 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
                     q_index)
 
 
-# What runs deterministic attention (`ModelConfig.det_attention`): the jnp path of
-# `block_attention`, or `pallas_kernels.det_attention` with the same tiling (TPU / GPU, or
-# the GPU kernel interpreted on CPU: the jnp path's bits, tested).
-DET_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
-
-
 def _det_kernel_args(kernel: str) -> dict:
-  if kernel not in DET_KERNELS[1:]:
+  """`ModelConfig.det_attention` (one of config.KERNELS but "jnp", the jnp path of
+  `block_attention`) as `pallas_kernels.det_attention` arguments: TPU / GPU, or the GPU
+  kernel interpreted on CPU (the jnp path's bits, tested)."""
+  if kernel not in KERNELS[1:]:
     raise ValueError(f"unknown deterministic attention kernel {kernel!r}; expected one of "
-                     f"{DET_KERNELS[1:]}")
+                     f"{KERNELS[1:]}")
   return {"backend": "tpu" if kernel == "pallas_tpu" else "gpu",
           "interpret": kernel == "pallas_interpret"}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel):
-  """`attend` in deterministic numerics, by the Pallas kernel `kernel` (see DET_KERNELS).
+  """`attend` in deterministic numerics, by the Pallas kernel `kernel` (see `_det_kernel_args`).
 
   The backward is the VJP of `attend`'s fast path (the same function; gradients need not
   be batch-invariant), as for the jnp path.

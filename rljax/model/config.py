@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 _AUTO_FIELDS = ("decode_attention", "train_experts", "engine_experts", "dtype")
 _EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
-_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")  # expert tiles, det attention
+# what runs the expert tiles (`expert_kernel`) and deterministic attention (`det_attention`)
+KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,12 +104,12 @@ class ModelConfig:
       if getattr(self, name) not in _EXPERT_PATHS:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
                          f"{_EXPERT_PATHS}")
-    if self.det_attention not in _KERNELS:
+    if self.det_attention not in KERNELS:
       raise ValueError(f"unknown det_attention {self.det_attention!r}; expected one of "
-                       f"{_KERNELS}")
-    if self.expert_kernel not in _KERNELS:
+                       f"{KERNELS}")
+    if self.expert_kernel not in KERNELS:
       raise ValueError(f"unknown expert_kernel {self.expert_kernel!r}; expected one of "
-                       f"{_KERNELS}")
+                       f"{KERNELS}")
     if self.expert_row_tile < 1:
       raise ValueError(f"expert_row_tile must be >= 1, got {self.expert_row_tile}")
     if self.dense_layers() and self.intermediate_size <= 0:

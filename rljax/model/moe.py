@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from rljax import sharding as sharding_lib
+from rljax.model.config import KERNELS
 from rljax.numerics import Numerics, det_exp
 
 
@@ -76,12 +77,12 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   x [T, D]; ids [T, k] global expert ids; gate/up [D, E_local, F]; down [E_local, F, D].
   Returns [T, k, D] in x's dtype, zero for slots whose expert is not local. `path`: one
   of `PATHS` (see the module doc; in deterministic mode "ragged" runs "tiled"). `kernel`:
-  what multiplies the tiles (one of `TILE_KERNELS`, see `tile_matmul`).
+  what multiplies the tiles (one of `KERNELS`, see `tile_matmul`).
   """
   if path not in PATHS:
     raise ValueError(f"unknown expert path {path!r}; expected one of {PATHS}")
-  if kernel not in TILE_KERNELS:
-    raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {TILE_KERNELS}")
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
   t, d = x.shape
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
@@ -159,7 +160,6 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
   return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
 
 
-TILE_KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 GPU_BLOCK_K = 256
 
 
