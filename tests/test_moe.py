@@ -5,6 +5,7 @@ also at Qwen3-30B-A3B's shape); the tile plan covers every routed slot with one 
 per tile."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -113,14 +114,17 @@ def test_deterministic_moe_flops_at_qwen3_30b_a3b_shape():
   assert flops <= 1.15 * aot.routed_expert_flops(cfg, 4096)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("row_tile", [1, 4, 16])
-def test_the_tile_plan_holds_every_slot_once_in_a_tile_of_its_expert(row_tile):
+def test_the_tile_plan_holds_every_slot_once_in_a_tile_of_its_expert(row_tile, in_place):
   rng = np.random.default_rng(row_tile)
   e, s = 5, 37
   # skewed routing (one expert takes most slots) and slots computed elsewhere (= e)
   slot_expert = rng.choice(e + 1, s, p=[0.6, 0.1, 0.1, 0.05, 0.0, 0.15])
-  src, dest, tile_expert = map(np.asarray, jax.jit(moe.tile_plan, static_argnums=(1, 2))(
-      jnp.asarray(slot_expert, jnp.int32), e, row_tile))
+  plan = jax.jit(functools.partial(moe.tile_plan, first_tiles_in_place=in_place),
+                 static_argnums=(1, 2))
+  src, dest, tile_expert = map(np.asarray, plan(jnp.asarray(slot_expert, jnp.int32), e,
+                                                row_tile))
   n_tiles = -(-s // row_tile) + e
   assert src.shape == (n_tiles * row_tile,) and tile_expert.shape == (n_tiles,)
   for slot in range(s):
@@ -133,6 +137,11 @@ def test_the_tile_plan_holds_every_slot_once_in_a_tile_of_its_expert(row_tile):
   # routed rows plus padding: under one tile per expert that has slots
   used = np.unique(dest[slot_expert < e] // row_tile).size
   assert used <= -(-(slot_expert < e).sum() // row_tile) + len(set(slot_expert) - {e})
+  if in_place:  # tile i < e is expert i's first tile, and holds its first slots in order
+    np.testing.assert_array_equal(tile_expert[:e], np.arange(e))
+    for expert in range(e):
+      first = np.flatnonzero(slot_expert == expert)[:row_tile]
+      np.testing.assert_array_equal(dest[first], expert * row_tile + np.arange(first.size))
 
 
 def test_an_unknown_path_is_refused():

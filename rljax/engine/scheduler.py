@@ -318,12 +318,10 @@ class Scheduler:
     ran `steps` steps unless it sampled a stop id first (only its last token can end it:
     budgets stop at the token limits). Frees the slot when the sequence ended."""
     seq = self.slots[slot]
-    n = steps
-    stops = np.asarray([t for t in self.stop_ids(seq) if t >= 0], np.int32)
-    if stops.size:
-      hit = np.flatnonzero(np.isin(tokens[:n], stops))
-      n = int(hit[0]) + 1 if hit.size else n
-    new = tokens[:n].tolist()
+    new = tokens[:steps].tolist()
+    stops = self.stop_ids(seq)
+    n = next((j + 1 for j, t in enumerate(new) if t in stops), steps)
+    del new[n:]
     seq.routing += list(routing[:n])
     seq.tokens += new
     seq.logprobs += logprobs[:n].tolist()

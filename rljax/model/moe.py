@@ -130,7 +130,8 @@ def stable_order(keys: jax.Array, num_keys: int) -> jax.Array:
   return lax.sort(keys.astype(jnp.int32) * s + index) % s
 
 
-def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
+def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int, *,
+              first_tiles_in_place: bool = False):
   """Where each slot goes when slots are grouped by expert into tiles of `row_tile` rows.
 
   slot_expert [S] int in [0, num_experts]; `num_experts` marks a slot computed elsewhere.
@@ -140,36 +141,55 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int):
    dest [S]: each slot's row, N * row_tile for slots computed elsewhere;
    tile_expert [N]: each tile's expert), with N = ceil(S / row_tile) + num_experts tiles,
   enough for any routing (each expert wastes less than one tile).
+
+  Tiles in expert order, each expert's tiles together (what a kernel that reads weights
+  in place wants: one weight fetch per expert), or with `first_tiles_in_place` tile e is
+  expert e's first tile (so tiles [0, E) take the weights as they are, no gather) and
+  experts' further rows follow from tile E on, in expert order. Either way an expert
+  wastes under one tile and N tiles hold any routing (further tiles: sum over experts of
+  ceil((n_e - r) / r) <= S / r).
   """
   s = slot_expert.shape[0]
   n_tiles = -(-s // row_tile) + num_experts
   order = stable_order(slot_expert, num_experts + 1)
   sorted_expert = slot_expert[order]
   sizes = jnp.bincount(slot_expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  tiles = -(-sizes // row_tile)
-  tile_end = jnp.cumsum(tiles)
-  first_tile = tile_end - tiles
   first_sorted = jnp.cumsum(sizes) - sizes
   e = jnp.minimum(sorted_expert, num_experts - 1)
-  row = first_tile[e] * row_tile + jnp.arange(s, dtype=jnp.int32) - first_sorted[e]
+  rank = jnp.arange(s, dtype=jnp.int32) - first_sorted[e]  # the slot's row in its expert
+  if first_tiles_in_place:
+    tiles = -(-jnp.maximum(sizes - row_tile, 0) // row_tile)  # tiles after the first
+    tile_end = jnp.cumsum(tiles)
+    later = (num_experts + tile_end[e] - tiles[e]) * row_tile + rank - row_tile
+    row = jnp.where(rank < row_tile, e * row_tile + rank, later)
+    tile_expert = jnp.concatenate([
+        jnp.arange(num_experts, dtype=jnp.int32),
+        jnp.searchsorted(tile_end, jnp.arange(n_tiles - num_experts), side="right")])
+  else:
+    tiles = -(-sizes // row_tile)
+    tile_end = jnp.cumsum(tiles)
+    row = (tile_end[e] - tiles[e]) * row_tile + rank
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right")
   row = jnp.where(sorted_expert < num_experts, row, n_tiles * row_tile)
   dest = jnp.zeros((s,), jnp.int32).at[order].set(row)
   src = jnp.full((n_tiles * row_tile,), s, jnp.int32).at[row].set(order.astype(jnp.int32),
                                                                   mode="drop")
-  tile_expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right")
   return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
 
 
 GPU_BLOCK_K = 256
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str,
+                in_place: int = 0) -> jax.Array:
   """xs [N, r, D] tiles, w [E, D, F], tile_expert [N] -> f32 [N, r, F]: each tile times its
   expert's weights (w rounded to xs's dtype), the whole D in one fixed-shape product.
 
-  kernel "jnp": one batched dot with f32 operands holding the input values (bf16 products
-  are exact in f32; XLA:CPU has no bf16 batched dot thunk), the per-tile weights gathered;
+  kernel "jnp": batched dots with f32 operands holding the input values (bf16 products
+  are exact in f32; XLA:CPU has no bf16 batched dot thunk); the first `in_place` tiles
+  are experts 0, 1, ... in order (`tile_plan(first_tiles_in_place=True)`) and take w as
+  it is, the others' weights are gathered per tile;
   "pallas_tpu" / "pallas_gpu": `pallas_kernels.grouped_matmul` (Mosaic / Triton: weights
   read in place through the tile's expert id, operands in xs's dtype; on GPU the whole D
   does not fit shared memory at real widths, so D is summed in blocks of
@@ -179,7 +199,7 @@ def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str
   batch-invariant).
   """
   if kernel == "jnp":
-    return grouped_matmul_reference(xs, w, tile_expert)
+    return _jnp_tiles(xs, w, tile_expert, in_place)
   if kernel == "pallas_interpret":
     return grouped_matmul(xs.astype(jnp.float32), w.astype(xs.dtype).astype(jnp.float32),
                           tile_expert, backend="tpu", interpret=True)
@@ -190,14 +210,25 @@ def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str
   return grouped_matmul(xs, w, tile_expert, backend="tpu")
 
 
-def _tile_matmul_fwd(xs, w, tile_expert, kernel):
-  return tile_matmul(xs, w, tile_expert, kernel), (xs, w, tile_expert)
+def _jnp_tiles(xs, w, tile_expert, in_place):
+  """The "jnp" kernel: every tile one (r x D) @ (D x F) product of f32 operands, batched
+  (the same per-tile shape in both dots, so the same bits for a row in either)."""
+  if not in_place:
+    return grouped_matmul_reference(xs, w, tile_expert)
+  first = jnp.einsum("nrd,ndf->nrf", xs[:in_place].astype(jnp.float32),
+                     w.astype(xs.dtype).astype(jnp.float32))
+  later = grouped_matmul_reference(xs[in_place:], w, tile_expert[in_place:])
+  return jnp.concatenate([first, later])
 
 
-def _tile_matmul_bwd(kernel, residuals, g):
+def _tile_matmul_fwd(xs, w, tile_expert, kernel, in_place):
+  return tile_matmul(xs, w, tile_expert, kernel, in_place), (xs, w, tile_expert)
+
+
+def _tile_matmul_bwd(kernel, in_place, residuals, g):
   del kernel
   xs, w, tile_expert = residuals
-  _, vjp = jax.vjp(lambda xs, w: grouped_matmul_reference(xs, w, tile_expert), xs, w)
+  _, vjp = jax.vjp(lambda xs, w: _jnp_tiles(xs, w, tile_expert, in_place), xs, w)
   return (*vjp(g), None)
 
 
@@ -206,16 +237,26 @@ tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 def _experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile, kernel):
   """Routed experts only (the "tiled" path, see the module doc). slot_expert [T, k]: local
-  expert of each slot, E_local for none. -> [T, k, D]."""
+  expert of each slot, E_local for none. -> [T, k, D].
+
+  The jnp kernel lays expert e's first tile at tile e (no weight gather for those); the
+  Pallas kernels read weights in place anyway and get each expert's tiles together. The
+  outputs go back to their slots by a scatter of the tile rows: XLA:CPU fuses a gather
+  into the combine's loop, where it runs 5-10x slower.
+  """
   t, d = x.shape
   k = slot_expert.shape[1]
-  src, dest, tile_expert = tile_plan(slot_expert.reshape(-1), gate.shape[1], row_tile)
+  e_local = gate.shape[1]
+  in_place = e_local if kernel == "jnp" else 0
+  src, _, tile_expert = tile_plan(slot_expert.reshape(-1), e_local, row_tile,
+                                  first_tiles_in_place=bool(in_place))
   xs = x.at[src // k].get(mode="fill", fill_value=0).reshape(-1, row_tile, d)
-  g = tile_matmul(xs, gate.transpose(1, 0, 2), tile_expert, kernel)
-  u = tile_matmul(xs, up.transpose(1, 0, 2), tile_expert, kernel)
+  g = tile_matmul(xs, gate.transpose(1, 0, 2), tile_expert, kernel, in_place)
+  u = tile_matmul(xs, up.transpose(1, 0, 2), tile_expert, kernel, in_place)
   hidden = silu(g.astype(x.dtype), numerics).astype(x.dtype) * u.astype(x.dtype)
-  ys = tile_matmul(hidden, down, tile_expert, kernel)
-  y = ys.reshape(-1, d).at[dest].get(mode="fill", fill_value=0)  # slots elsewhere: 0
+  ys = tile_matmul(hidden, down, tile_expert, kernel, in_place)
+  # padding rows (src = t * k) are dropped; slots computed elsewhere stay 0
+  y = jnp.zeros((t * k, d), ys.dtype).at[src].set(ys.reshape(-1, d), mode="drop")
   return y.astype(x.dtype).reshape(t, k, d)
 
 
