@@ -19,6 +19,9 @@ Expert paths: `routed_over_dense` is the train step with the routed-only tiles
 (`train_experts="tiled"`) over the dense all-experts path, in each mode, and the fast
 decode step at 256 slots (`engine_experts`), and the whole fast engine generating for 256
 requests at once (16-token prompts, 32 new tokens: `fast_engine_256_slots`, tokens/s);
+the fast-mode figures come from a fast-mode child process (no deterministic flags, as in
+a fast run), and the engine's also from this process, with the flags
+(`..._with_det_flags`);
 `expert_flops` counts each path's expert matmul FLOPs per train step (dense: every expert
 for every token; tiled: the tiles the plan allows), and `xla_flops` is XLA's cost analysis
 of each whole step. `qwen3_30b_a3b_moe_layer_flops_over_routed_4096_tokens`: one MoE
@@ -56,7 +59,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_moe.py",
 _PAIRS = flags.DEFINE_integer("pairs", 15, "interleaved A/B timing pairs")
 _CALLS = flags.DEFINE_integer("calls", 3, "calls per timing sample (median taken)")
 _ROUNDS = flags.DEFINE_integer("flag_rounds", 3, "child-process pairs for the flags' cost")
-_CHILD = flags.DEFINE_enum("child", None, ["fast_process", "with_det_flags"],
+_CHILD = flags.DEFINE_enum("child", None, ["fast_process", "with_det_flags", "fast_paths"],
                            "internal: time fast steps in bf16 and f32, print one JSON line")
 
 
@@ -160,36 +163,56 @@ def _modes(make, cfg, params):
                 lambda: make(cfg, Numerics("fast")), params)
 
 
-def _paths(cfg, params):
-  """Routed-only tiles over the dense all-experts path: train steps in both modes, and the
-  fast decode step at 256 slots; expert and XLA FLOPs of each."""
+def _with_path(cfg, path):
   # one path for both forwards (deterministic mode refuses a dense / routed mix)
-  with_path = lambda p: dataclasses.replace(cfg, train_experts=p, engine_experts=p)  # noqa: E731
-  out = {}
-  for mode in ("deterministic", "fast"):
-    num = Numerics(mode)
-    ratio, t_tiled, t_dense = _ratio(
-        lambda: _train_step(with_path("tiled"), num),
-        lambda: _train_step(with_path("dense"), num), params)
-    out[f"{mode}_train"] = {
-        "routed_over_dense": round(ratio, 3),
-        "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
-        "xla_flops": {p: _xla_flops(_train_step, with_path(p), num, params)
-                      for p in ("tiled", "dense")}}
+  return dataclasses.replace(cfg, train_experts=path, engine_experts=path)
+
+
+def _train_paths(cfg, params, num):
+  """The train step with the routed-only tiles over the dense all-experts path."""
+  ratio, t_tiled, t_dense = _ratio(lambda: _train_step(_with_path(cfg, "tiled"), num),
+                                   lambda: _train_step(_with_path(cfg, "dense"), num), params)
+  return {"routed_over_dense": round(ratio, 3),
+          "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
+          "xla_flops": {p: _xla_flops(_train_step, _with_path(cfg, p), num, params)
+                        for p in ("tiled", "dense")}}
+
+
+def _engine_paths(cfg, params):
+  ratio, t_tiled, t_dense = _ratio(lambda: _engine_run(_with_path(cfg, "tiled")),
+                                   lambda: _engine_run(_with_path(cfg, "dense")), params)
+  tokens = ENGINE_SLOTS * ENGINE_NEW
+  return {"routed_over_dense": round(ratio, 3),
+          "tokens_per_s": {"routed": round(tokens / t_tiled), "dense": round(tokens / t_dense)}}
+
+
+def _fast_paths(cfg, params):
+  """In a fast-mode process (no deterministic flags, as a fast run has): the train step,
+  the decode step at 256 slots and the whole engine at 256 slots, routed over dense."""
   fast = Numerics("fast")
+  out = {"det_flags": numerics_lib.deterministic_xla_flags_set(),
+         "fast_train": _train_paths(cfg, params, fast)}
   ratio, t_tiled, t_dense = _ratio(
-      lambda: _decode_step(with_path("tiled"), fast, slots=256),
-      lambda: _decode_step(with_path("dense"), fast, slots=256), params)
+      lambda: _decode_step(_with_path(cfg, "tiled"), fast, slots=256),
+      lambda: _decode_step(_with_path(cfg, "dense"), fast, slots=256), params)
   out["fast_decode_256_slots"] = {
       "routed_over_dense": round(ratio, 3),
       "ms": {"routed": round(1e3 * t_tiled, 2), "dense": round(1e3 * t_dense, 2)},
       "tokens_per_s": {"routed": round(256 / t_tiled), "dense": round(256 / t_dense)}}
-  ratio, t_tiled, t_dense = _ratio(lambda: _engine_run(with_path("tiled")),
-                                   lambda: _engine_run(with_path("dense")), params)
-  tokens = ENGINE_SLOTS * ENGINE_NEW
-  out[f"fast_engine_{ENGINE_SLOTS}_slots"] = {
-      "routed_over_dense": round(ratio, 3),
-      "tokens_per_s": {"routed": round(tokens / t_tiled), "dense": round(tokens / t_dense)}}
+  out[f"fast_engine_{ENGINE_SLOTS}_slots"] = _engine_paths(cfg, params)
+  return out
+
+
+def _paths(cfg, params):
+  """Routed-only tiles over the dense all-experts path: the deterministic train step here,
+  the fast-mode steps and engine in a fast-mode child (and the fast engine here too, with
+  the deterministic flags, for comparison); expert FLOPs of each."""
+  out = {"deterministic_train": _train_paths(cfg, params, Numerics("deterministic"))}
+  child = _run_child("fast_paths")
+  if child.pop("det_flags"):
+    raise AssertionError("the fast-mode child has the deterministic flags")
+  out.update(child)
+  out[f"fast_engine_{ENGINE_SLOTS}_slots_with_det_flags"] = _engine_paths(cfg, params)
   out["expert_flops_per_train_step"] = {p: _expert_flops(cfg, p) for p in ("tiled", "dense")}
   return out
 
@@ -250,20 +273,24 @@ def _child(cfg, params):
   print(json.dumps(out))
 
 
-def _children(rounds):
-  """Alternating children with and without the deterministic flags."""
+def _run_child(kind):
+  """This benchmark as a `--child=kind` process, started without the deterministic flags
+  (a "with_det_flags" child installs them itself); its last line's JSON object."""
   flags_off = [f for f in os.environ.get("XLA_FLAGS", "").split()
                if f not in numerics_lib.DETERMINISTIC_XLA_FLAGS]
   env = {**os.environ, "XLA_FLAGS": " ".join(flags_off)}
+  out = subprocess.run([sys.executable, __file__, f"--child={kind}",
+                        f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
+                        f"--pairs={_PAIRS.value}", f"--calls={_CALLS.value}"],
+                       env=env, capture_output=True, text=True, check=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _children(rounds):
+  """Alternating children with and without the deterministic flags."""
   cost, fast = [], []
   for _ in range(rounds):
-    pair = {}
-    for kind in ("with_det_flags", "fast_process"):
-      out = subprocess.run([sys.executable, __file__, f"--child={kind}",
-                            f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
-                            f"--pairs={_PAIRS.value}", f"--calls={_CALLS.value}"],
-                           env=env, capture_output=True, text=True, check=True).stdout
-      pair[kind] = json.loads(out.strip().splitlines()[-1])
+    pair = {kind: _run_child(kind) for kind in ("with_det_flags", "fast_process")}
     if pair["fast_process"]["det_flags"] or not pair["with_det_flags"]["det_flags"]:
       raise AssertionError(f"children with the wrong flags: {pair}")
     cost.append(pair["with_det_flags"]["train"]["bf16_ms"] /
@@ -279,12 +306,15 @@ def _children(rounds):
 
 
 def main(_):
-  if _CHILD.value != "fast_process":  # the parent runs both modes
+  if _CHILD.value not in ("fast_process", "fast_paths"):  # the parent runs both modes
     numerics_lib.install_deterministic_xla_flags()
   # resolved for deterministic numerics: both modes measured on the same (reference) paths
   cfg = ModelConfig.from_dict(_CONFIG.value.model.to_dict()).resolved(
       jax.default_backend(), "deterministic")
   params = _params(cfg)
+  if _CHILD.value == "fast_paths":
+    print(json.dumps(_fast_paths(cfg, params)))
+    return
   if _CHILD.value:
     _child(cfg, params)
     return
