@@ -5,6 +5,7 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   wire, work_queue         groups as arrays; the prompt-group work queue on a store
   lineage                  which groups each async update trained on
   rollout, evaluate        episodes on the engine; held-out pass@k
+  endpoint                 an OpenAI-compatible HTTP endpoint on the engine, recording episodes
   run                      build(config): the one place a config becomes objects
   core                     what both loops share: Run, SFT, evaluation, one GRPO update
   fidelity                 re-scoring tokens with the version that sampled them
@@ -14,4 +15,4 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
-          "run", "core", "fidelity", "lockstep", "host", "launch", "async_loop")
+          "endpoint", "run", "core", "fidelity", "lockstep", "host", "launch", "async_loop")

@@ -1,0 +1,369 @@
+"""The OpenAI-compatible endpoint (rljax.pipeline.endpoint): an agent loop written against
+the `openai` package drives a run's engine over HTTP on 127.0.0.1, in deterministic
+numerics; every call's tokens are checked against the engine driven directly with the same
+ids (bitwise), re-scored by the trainer's forward (0.0), and the finished episodes go
+through the wire and one GRPO update (mismatch_max_abs 0.0)."""
+
+import dataclasses
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import chex
+import ml_collections
+import numpy as np
+import openai
+import pytest
+
+from rljax.engine.engine import Request
+from rljax.envs.tokenizer import train_byte_level_bpe
+from rljax.model.scoring import max_abs_diff, packed_logprobs
+from rljax.pipeline import wire
+from rljax.pipeline.endpoint import Endpoint
+from rljax.rl.trajectory import FinishReason, Outcome
+
+MAX_SEQ_LEN = 128
+SYSTEM = "You are a calculator agent. Use the tool."
+TEXTS = [SYSTEM, "What is 12 + 34?", "tool result: 46", "the answer is 46",
+         "Compute 7 * 8 with the tool.", "result: 56", "<|im_start|>user\nhello<|im_end|>"] * 4
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  """A deterministic run (arith_tiny's blocks, a tiny model over a 384-id byte-level BPE
+  with a chat template) and the endpoint on its engine."""
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
+  tokdir = train_byte_level_bpe(TEXTS, str(tmp_path_factory.mktemp("tok")), vocab_size=384)
+  config = arith_tiny.get_config()
+  config.numerics = "deterministic"
+  config.model.update(dict(vocab_size=384, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1,
+                           moe_intermediate_size=16, intermediate_size=32,
+                           max_position_embeddings=MAX_SEQ_LEN))
+  config.tokenizer = ml_collections.ConfigDict(dict(
+      kind="hf", path=tokdir, chat_template=True, stop_tokens=("<|im_end|>", "<|endoftext|>")))
+  config.engine = ml_collections.ConfigDict(dict(num_slots=8, max_seq_len=MAX_SEQ_LEN))
+  config.rl.update(dict(prompts_per_step=2, group_size=2, max_new_tokens=8))
+  config.eval.num_tasks = 2
+  config.log.tensorboard = False
+  run = core.setup(build(config), str(tmp_path_factory.mktemp("run")))
+  endpoint = Endpoint(run.engine, run.env.tokenizer, sampling=run.built.sampling, seed=7)
+  yield run, endpoint
+  endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def reference_engine(served):
+  run, _ = served
+  return run.built.make_engine(run.serve(run.state))
+
+
+def _client(endpoint, base=None):
+  return openai.OpenAI(api_key="unused", base_url=base or f"{endpoint.url}/v1", max_retries=0,
+                       timeout=120.0)
+
+
+def _post(endpoint, path, body):
+  req = urllib.request.Request(endpoint.url + path, data=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"}, method="POST")
+  try:
+    with urllib.request.urlopen(req, timeout=60) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def _register(endpoint, episode_id, group_id=None):
+  status, out = _post(endpoint, "/v1/episodes", {"episode_id": episode_id, "group_id": group_id})
+  assert status == 200, out
+  return out
+
+
+def agent_loop(client, episode_id, task, turns, max_tokens=8, extra=True):
+  """A minimal tool-using agent: after each reply the harness appends a tool message."""
+  messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+  responses = []
+  for k in range(turns):
+    kwargs = {"extra_body": {"episode_id": episode_id}} if extra else {}
+    r = client.chat.completions.create(model="rljax", messages=messages, max_tokens=max_tokens,
+                                       logprobs=True, **kwargs)
+    responses.append(r)
+    messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    if k + 1 < turns:
+      messages.append({"role": "tool", "content": f"result: {46 + k}"})
+  return messages, responses
+
+
+def _turns(traj):
+  """(observation ids, sampled count) of each turn after the first, from the loss mask."""
+  mask = traj.loss_mask
+  edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+  runs = np.split(np.arange(len(mask)), edges)
+  first = len(runs[0])
+  rest = [(traj.completion_ids[obs], len(act)) for obs, act in zip(runs[1::2], runs[2::2])]
+  return first, rest
+
+
+def engine_reference(engine, endpoint, traj, budgets):
+  """The same episode on the engine driven directly: the recorded prompt, then each
+  turn's recorded observation ids by `extend`, each turn with the budget it was asked."""
+  sampling = dataclasses.replace(endpoint.sampling, max_new_tokens=budgets[0])
+  (out,) = engine.generate([Request(traj.request_id, traj.prompt_ids, sampling=sampling,
+                                    seed=endpoint.seed, group_id=traj.request_id,
+                                    keep_pages=True)])
+  _, rest = _turns(traj)
+  for (obs, _), budget in zip(rest, budgets[1:]):
+    engine.extend(traj.request_id, 0, obs, budget)
+    (out,) = engine.run()
+  engine.release(traj.request_id, 0)
+  assert engine.idle and engine.pool.used_count == 0
+  return out
+
+
+def assert_same_record(traj, ref):
+  for name in ("prompt_ids", "completion_ids", "loss_mask", "behaviour_logprobs", "versions",
+               "expert_ids"):
+    chex.assert_trees_all_equal(getattr(traj, name), getattr(ref, name), custom_message=name)
+  assert traj.finish_reason == ref.finish_reason
+
+
+def rescore_diff(run, trajs):
+  """max |trainer - behaviour| log-prob over the sampled tokens, by the training forward."""
+  lps = packed_logprobs(run.serve(run.state), [t.tokens for t in trajs], cfg=run.cfg,
+                        numerics=run.numerics, row_len=MAX_SEQ_LEN)
+  ours, theirs = [], []
+  for t, lp in zip(trajs, lps):
+    p = len(t.prompt_ids)
+    ours.append(lp[p - 1:][t.loss_mask])
+    theirs.append(t.behaviour_logprobs[t.loss_mask])
+  return max_abs_diff(ours, theirs)
+
+
+def test_chat_agent_loop_records_the_engines_own_tokens(served, reference_engine):
+  run, endpoint = served
+  tok = run.env.tokenizer
+  _register(endpoint, "solo", "solo-group")
+  messages, responses = agent_loop(_client(endpoint), "solo", "What is 12 + 34?", turns=4,
+                                   max_tokens=6)  # 40 + 4 x 6 + 3 x 20 tokens: < 128
+  assert len(responses) == 4 and endpoint.stats["extends"] == 3  # KV of earlier turns kept
+  traj = endpoint.finish("solo", reward=1.0)
+  assert traj.outcome == Outcome.SUCCESS and traj.expert_ids is not None
+  assert len(traj.expert_ids) == len(traj.tokens)
+
+  # token in, token out: what each response reported is the record, call by call
+  first, rest = _turns(traj)
+  chex.assert_trees_all_equal(traj.prompt_ids, np.asarray(
+      responses[0].rljax["prompt_token_ids"], np.int32))
+  pos = 0
+  for k, r in enumerate(responses):
+    if k:
+      obs = np.asarray(r.rljax["prompt_token_ids"], np.int32)
+      chex.assert_trees_all_equal(traj.completion_ids[pos:pos + len(obs)], obs)
+      assert not traj.loss_mask[pos:pos + len(obs)].any()
+      pos += len(obs)
+    ids = np.asarray(r.rljax["completion_token_ids"], np.int32)
+    lps = np.asarray(r.rljax["completion_logprobs"], np.float32)
+    chex.assert_trees_all_equal(traj.completion_ids[pos:pos + len(ids)], ids)
+    chex.assert_trees_all_equal(traj.behaviour_logprobs[pos:pos + len(ids)], lps)
+    chex.assert_trees_all_equal(
+        np.asarray([c.logprob for c in r.choices[0].logprobs.content], np.float32), lps)
+    assert traj.loss_mask[pos:pos + len(ids)].all()
+    assert (traj.versions[pos:pos + len(ids)] == 0).all()
+    pos += len(ids)
+  assert pos == len(traj.completion_ids)
+  assert (traj.behaviour_logprobs[~traj.loss_mask] == 0).all()
+  assert (traj.versions[~traj.loss_mask] == -1).all()
+
+  # the chat template, incrementally: the first prompt is the template's render; each
+  # later turn appends exactly the template's text for the tool message (with the close
+  # of the reply when the reply did not end on <|im_end|> itself)
+  hf = tok.hf
+  assert tok.decode(traj.prompt_ids) == hf.apply_chat_template(
+      messages[:2], tokenize=False, add_generation_prompt=True)
+  im_end = tok.token_to_id("<|im_end|>")
+  for k, r in enumerate(responses[1:], start=1):
+    prev = responses[k - 1].rljax["completion_token_ids"]
+    close = "" if prev[-1] == im_end else "<|im_end|>"
+    assert tok.decode(r.rljax["prompt_token_ids"]) == (
+        f"{close}\n<|im_start|>tool\nresult: {46 + k - 1}<|im_end|>\n<|im_start|>assistant\n")
+
+  # bitwise the engine's own tokens, log-probs and routing for the same ids, and the
+  # trainer's forward gives the same log-probs
+  budgets = [6] * 4
+  assert_same_record(traj, engine_reference(reference_engine, endpoint, traj, budgets))
+  assert rescore_diff(run, [traj]) == 0.0
+
+
+def test_completions_extend_the_text_without_retokenizing(served, reference_engine):
+  run, endpoint = served
+  tok = run.env.tokenizer
+  client = _client(endpoint)
+  _register(endpoint, "text")
+  prompt = "Compute 7 * 8 with the tool."
+  r1 = client.completions.create(model="rljax", prompt=prompt, max_tokens=6,
+                                 extra_headers={"X-Episode-Id": "text"}, logprobs=0)
+  text = prompt + r1.choices[0].text
+  r2 = client.completions.create(model="rljax", prompt=text + "\nresult: 56\n", max_tokens=6,
+                                 extra_headers={"X-Episode-Id": "text"})
+  assert r2.rljax["prompt_token_ids"] == tok.encode("\nresult: 56\n").tolist()
+  with pytest.raises(openai.BadRequestError, match="history_mismatch"):
+    client.completions.create(model="rljax", prompt="Compute 7 * 9", max_tokens=6,
+                              extra_headers={"X-Episode-Id": "text"})
+  traj = endpoint.finish("text", reward=0.0)
+  assert traj.outcome == Outcome.MODEL_FAILURE
+  chex.assert_trees_all_equal(traj.prompt_ids, tok.encode(prompt))
+  assert_same_record(traj, engine_reference(reference_engine, endpoint, traj, [6, 6]))
+
+  # token ids in: a base URL per episode, no extra field at all
+  _register(endpoint, "ids")
+  ids_client = _client(endpoint, f"{endpoint.url}/episodes/ids/v1")
+  p = [5, 6, 7, 8]
+  c1 = ids_client.completions.create(model="rljax", prompt=p, max_tokens=5)
+  seq = p + c1.rljax["completion_token_ids"]
+  c2 = ids_client.completions.create(model="rljax", prompt=seq + [9, 10], max_tokens=5)
+  assert c2.rljax["prompt_token_ids"] == [9, 10]
+  with pytest.raises(openai.BadRequestError, match="history_mismatch"):
+    ids_client.completions.create(model="rljax", prompt=[5, 6, 7, 9], max_tokens=5)
+  traj = endpoint.finish("ids", reward=0.5)
+  assert traj.tokens[:len(seq)].tolist() == seq
+  assert_same_record(traj, engine_reference(reference_engine, endpoint, traj, [5, 5]))
+  assert rescore_diff(run, [traj]) == 0.0
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
+  run, endpoint = served
+  client = _client(endpoint)
+  with pytest.raises(openai.NotFoundError, match="unknown episode"):
+    client.chat.completions.create(model="rljax", messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"episode_id": "never-registered"})
+  with pytest.raises(openai.BadRequestError, match="no episode"):
+    client.chat.completions.create(model="rljax", messages=[{"role": "user", "content": "hi"}])
+  assert _post(endpoint, "/v1/episodes", {"episode_id": "bad"})[0] == 200
+  assert _post(endpoint, "/v1/episodes", {"episode_id": "bad"})[0] == 409
+  assert _post(endpoint, "/v1/episodes/nobody/finish", {"reward": 1.0})[0] == 404
+  assert _post(endpoint, "/v1/episodes/bad/finish", {"reward": 1.0})[0] == 400  # no turns
+  extra = {"extra_body": {"episode_id": "bad"}}
+  with pytest.raises(openai.BadRequestError, match="max_seq_len is 128") as e:
+    client.chat.completions.create(model="rljax", messages=[
+        {"role": "user", "content": "What is 12 + 34? " * 100}], **extra)
+  assert e.value.code == "context_length_exceeded"
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    client.chat.completions.create(model="rljax", messages=[{"role": "user", "content": "hi"}],
+                                   temperature=0.3, **extra)
+  with pytest.raises(openai.BadRequestError, match="n must be 1"):
+    client.chat.completions.create(model="rljax", messages=[{"role": "user", "content": "hi"}],
+                                   n=2, **extra)
+  messages, _ = agent_loop(client, "bad", "What is 12 + 34?", turns=2, max_tokens=4)
+  recorded = endpoint.episode("bad").tokens[:]
+  edited = [dict(m) for m in messages] + [{"role": "tool", "content": "result: 1"}]
+  edited[1]["content"] = "What is 12 + 35?"  # an earlier message edited
+  with pytest.raises(openai.BadRequestError, match=r"history_mismatch: messages\[1\]"):
+    client.chat.completions.create(model="rljax", messages=edited, **extra)
+  other = [dict(m) for m in messages] + [{"role": "tool", "content": "result: 1"}]
+  other[-2]["content"] += " (edited)"  # not the reply the engine sampled
+  with pytest.raises(openai.BadRequestError, match=r"history_mismatch: messages\[4\]"):
+    client.chat.completions.create(model="rljax", messages=other, **extra)
+  with pytest.raises(openai.BadRequestError, match="last message must not be the assistant"):
+    client.chat.completions.create(model="rljax", messages=messages, **extra)
+  assert endpoint.episode("bad").tokens == recorded  # refused calls changed nothing
+  # the same episode continues correctly after its refused calls
+  ok = client.chat.completions.create(
+      model="rljax", messages=messages + [{"role": "tool", "content": "result: 1"}],
+      max_tokens=4, **extra)
+  assert ok.choices[0].finish_reason in ("stop", "length")
+  req = urllib.request.Request(endpoint.url + "/v1/chat/completions", data=b"{not json",
+                               method="POST")
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(req, timeout=30)
+  assert e.value.code == 400 and "not JSON" in json.loads(e.value.read())["error"]["message"]
+  with urllib.request.urlopen(endpoint.url + "/health", timeout=30) as r:
+    assert json.loads(r.read()) == {"ok": True}
+  assert [m.id for m in client.models.list().data] == ["rljax"]
+  traj = endpoint.finish("bad", reward=0.0, outcome="infra_failure")
+  assert traj.outcome == Outcome.INFRA_FAILURE
+  assert _post(endpoint, "/v1/episodes/bad/finish", {"reward": 1.0})[0] == 409
+  assert run.engine.pool.used_count == 0  # every finished episode's pages are back
+
+
+@pytest.fixture(scope="module")
+def concurrent_groups(served, reference_engine):
+  """Two groups of two episodes, 3 turns each, driven from 4 threads at once with room for
+  only 2 resident episodes: batched in the engine, parked ones evicted and resubmitted
+  (the first calls are held until all four arrived: two start together, and the other two
+  evict them when they end, before their next calls come)."""
+  run, endpoint = served
+  resident, endpoint.max_resident = endpoint.max_resident, 2
+  before = dict(endpoint.stats)
+  tasks = {"g0-a": "What is 12 + 34?", "g0-b": "What is 12 + 34?",
+           "g1-a": "Compute 7 * 8 with the tool.", "g1-b": "Compute 7 * 8 with the tool."}
+  for eid in tasks:
+    _register(endpoint, eid, eid[:2])
+  out, errors = {}, []
+
+  def drive(eid):
+    try:
+      out[eid] = agent_loop(_client(endpoint), eid, tasks[eid], turns=3, max_tokens=8)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  # the first calls of all four wait together; then two start, two wait for residency
+  endpoint.pause()
+  threads = [threading.Thread(target=drive, args=(eid,)) for eid in tasks]
+  for t in threads:
+    t.start()
+  deadline = time.monotonic() + 60
+  while endpoint.waiting_turns < len(tasks) and not errors and time.monotonic() < deadline:
+    time.sleep(0.01)
+  gathered = endpoint.waiting_turns
+  endpoint.resume()
+  for t in threads:
+    t.join()
+  assert gathered == len(tasks), errors
+  endpoint.max_resident = resident
+  assert not errors, errors
+  stats = {k: endpoint.stats[k] - before.get(k, 0) for k in endpoint.stats}
+  trajs = {eid: endpoint.finish(eid, reward=float(eid.endswith("a"))) for eid in tasks}
+  refs = {eid: engine_reference(reference_engine, endpoint, t, [8, 8, 8])
+          for eid, t in trajs.items()}
+  return trajs, refs, stats
+
+
+def test_concurrent_episodes_are_batched_and_bitwise_the_engines(served, concurrent_groups):
+  run, endpoint = served
+  trajs, refs, stats = concurrent_groups
+  assert endpoint.stats["max_in_flight"] >= 2  # turns of several episodes in one engine step
+  assert stats["resubmits"] > 0 and stats["evictions"] > 0  # the fresh-submit path ran
+  for eid, traj in trajs.items():
+    assert_same_record(traj, refs[eid])
+  assert rescore_diff(run, list(trajs.values())) == 0.0
+
+
+def test_finished_groups_train_like_env_groups(served, concurrent_groups):
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+  trajs, _, _ = concurrent_groups
+  groups = [g for g in endpoint.take_groups(2) if g.task.task_id in ("g0", "g1")]
+  assert [g.task.task_id for g in groups] == ["g0", "g1"]
+  assert endpoint.take_groups(2) == []  # taken once
+  decoded = []
+  for g in groups:
+    assert [t.sample_index for t in g.trajectories] == [0, 1]
+    assert [t.reward for t in g.trajectories] == [1.0, 0.0]
+    back = wire.group_from_arrays(wire.group_to_arrays(g.trajectories), g.request_id)
+    for t, b in zip(g.trajectories, back):  # lossless through the wire
+      for name in ("prompt_ids", "completion_ids", "loss_mask", "behaviour_logprobs",
+                   "versions", "expert_ids"):
+        chex.assert_trees_all_equal(getattr(t, name), getattr(b, name))
+      assert (b.reward, b.outcome) == (t.reward, t.outcome)
+    decoded.append(back)
+  learner = core.grpo_learner(run)
+  metrics = core.train_on_groups(run, learner, decoded)
+  sampled = sum(int(t.loss_mask.sum()) for g in decoded for t in g)
+  assert metrics["mismatch_tokens"] == sampled and metrics["mismatch_max_abs"] == 0.0
+  assert np.isfinite(float(metrics["loss"])) and run.version == 1
+  assert all(t.finish_reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
+             for g in decoded for t in g)
