@@ -5,10 +5,11 @@
   verdict = safe_verify(env, tasks[0], completion_ids, timeout_s=5.0)
 
 Single-turn: arithmetic, countdown, dataset (rows of a JSONL/parquet file scored by a
-reward function). Multi-turn (tool use, one growing sequence): calculator. An env of your
-own: `make("package.module:factory", **kwargs)` calls factory(**kwargs) (with the
-`tokenizer=` it is given) and checks that it returns an Env. `rollout` is the reference
-episode loop; `LatencyModel` injects slow-sandbox delays.
+reward function). Multi-turn (tool use, one growing sequence): calculator, python_tool
+(model-written code run in `sandbox.run_python`). An env of your own:
+`make("package.module:factory", **kwargs)` calls factory(**kwargs) (with the `tokenizer=`
+it is given) and checks that it returns an Env. `rollout` is the reference episode loop;
+`LatencyModel` injects slow-sandbox delays.
 """
 
 from rljax.envs.arithmetic import ArithmeticEnv
@@ -20,9 +21,11 @@ from rljax.envs.countdown import CountdownEnv
 from rljax.envs.dataset import DatasetEnv
 from rljax.envs.importing import import_object, is_import_path
 from rljax.envs.latency import LatencyModel
+from rljax.envs.python_tool import PythonToolEnv
 from rljax.envs.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TransformersTokenizer
 
-ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv, DatasetEnv)}
+ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv, DatasetEnv,
+                                  PythonToolEnv)}
 
 
 def make(name: str, **kwargs) -> Env:
@@ -44,6 +47,6 @@ def make(name: str, **kwargs) -> Env:
 
 __all__ = ["ArithmeticEnv", "BaseEnv", "CalculatorEnv", "CharTokenizer", "CountdownEnv",
            "DatasetEnv", "ENVS", "Env", "Episode", "HFTokenizer", "LatencyModel",
-           "MultiTurnEnv", "SFTTarget", "SPLITS", "Split", "StepResult", "Task", "Tokenizer",
-           "TransformersTokenizer", "Verdict", "import_object", "make", "rollout", "safe_step",
-           "safe_verify", "split_of"]
+           "MultiTurnEnv", "PythonToolEnv", "SFTTarget", "SPLITS", "Split", "StepResult",
+           "Task", "Tokenizer", "TransformersTokenizer", "Verdict", "import_object", "make",
+           "rollout", "safe_step", "safe_verify", "split_of"]

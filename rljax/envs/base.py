@@ -80,7 +80,12 @@ class Verdict:
 class StepResult:
   observation_ids: np.ndarray | None  # appended to the sequence, loss_mask 0
   done: bool
-  error: str | None = None  # set by safe_step when the env raised or timed out
+  # set by safe_step when the env raised or timed out, or by the env when its own
+  # machinery failed (a sandbox that could not start): the episode is an infra failure
+  error: str | None = None
+  # numeric facts about the step (e.g. {"tool_calls": 1, "tool_errors": 0}): summed over
+  # an episode's steps into its `info` (Episode; the rollout's Trajectory.info)
+  info: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +263,20 @@ def safe_step(env: MultiTurnEnv, task: Task, history_ids: np.ndarray, action_ids
   return result
 
 
+def add_step_info(totals: dict, result: StepResult) -> None:
+  """Adds a step's numeric info to an episode's totals (non-numbers are left out)."""
+  for key, value in result.info.items():
+    if isinstance(value, (int, float, np.number)):
+      totals[key] = totals.get(key, 0) + value
+
+
 @dataclasses.dataclass(frozen=True)
 class Episode:
   completion_ids: np.ndarray  # [C] int32: actions and observations, in order
   loss_mask: np.ndarray  # [C] bool: True on action tokens
   verdict: Verdict
   turns: int
+  info: dict = dataclasses.field(default_factory=dict)  # {"turns": ...} + summed step info
 
 
 def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]], *,
@@ -276,6 +289,7 @@ def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]],
   history = np.zeros(0, np.int32)
   turns = 0
   error = None
+  info: dict = {}
   for turns in range(1, env.max_turns + 1):
     action = np.asarray(policy(np.concatenate([task.prompt_ids, history])), np.int32)
     parts.append(action)
@@ -284,6 +298,7 @@ def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]],
       history = np.concatenate(parts)
       break
     result = safe_step(env, task, history, action, timeout_s=timeout_s)
+    add_step_info(info, result)
     if result.observation_ids is not None:
       parts.append(np.asarray(result.observation_ids, np.int32))
       mask.append(np.zeros(len(result.observation_ids), bool))
@@ -297,4 +312,6 @@ def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]],
     verdict = Verdict.infra_failure("step failed", error=error)
   else:
     verdict = safe_verify(env, task, history, timeout_s=timeout_s)
-  return Episode(history.astype(np.int32), np.concatenate(mask), verdict, turns)
+  return Episode(history.astype(np.int32), np.concatenate(mask), verdict, turns,
+                 {"turns": turns, **info} if isinstance(env, MultiTurnEnv)
+                 and env.max_turns > 1 else {})

@@ -9,9 +9,10 @@ Prompt "<bos>123*45?". The policy may call the tool; the env answers with an obs
 `step` answers an action that ends with `</calc>` with the value of the expression after
 the action's last `<calc>` (`rljax.envs.expr.parse`, unary minus allowed; a fraction is
 written "7/2"; a bad expression gets "<obs>error</obs>", which is the model's problem,
-not the env's). An action that ends any other way (EOS, or truncated) ends the episode,
-as does the last of `max_turns` actions. `verify` reads the answer between the last
-`</obs>` and the first EOS, as in the arithmetic env.
+not the env's; the step's info counts it in `tool_errors`). An action that ends any other
+way (EOS, or truncated) ends the episode, as does the last of `max_turns` actions.
+`verify` reads the answer between the last `</obs>` and the first EOS, as in the
+arithmetic env.
 
 The expression is a flat chain of min_operands..max_operands operands with ops drawn from
 `ops` (any of + - *); its split key is `arithmetic.canonical_key`, so a two-operand
@@ -84,9 +85,12 @@ class CalculatorEnv(BaseEnv):
       return StepResult(None, True)
     text = self._decode(action)
     if text is None or CALL_OPEN not in text or not text.endswith(CALL_CLOSE):
-      return StepResult(self.tokenizer.encode(f"{OBS_OPEN}error{OBS_CLOSE}"), False)
+      return StepResult(self.tokenizer.encode(f"{OBS_OPEN}error{OBS_CLOSE}"), False,
+                        info={"tool_calls": 1, "tool_errors": 1})
     call = text[text.rindex(CALL_OPEN) + len(CALL_OPEN):-len(CALL_CLOSE)]
-    return StepResult(self.observation(call), False)
+    value = tool_result(call)
+    return StepResult(self.tokenizer.encode(f"{OBS_OPEN}{value}{OBS_CLOSE}"), False,
+                      info={"tool_calls": 1, "tool_errors": int(value == "error")})
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
     text = self._answer_text(completion_ids)

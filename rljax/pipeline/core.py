@@ -36,8 +36,9 @@ from rljax.envs.base import Env, Task
 from rljax.model import count_params, init_sharded, param_shardings
 from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
-from rljax.pipeline.evaluate import evaluate, greedy_groups, success_rate
+from rljax.pipeline.evaluate import evaluate, greedy_groups, sampled_key, success_rate
 from rljax.pipeline.metrics import FallAlarm, MetricsLogger, NullLogger, RunningMax
+from rljax.pipeline.rollout import episode_info_means
 from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
@@ -288,7 +289,9 @@ def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
           "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in sampled])),
           # -log pi of the sampled tokens: the sampling policy's per-token entropy in
           # expectation (at the sampling temperature); it falls as the policy collapses
-          "sampled_nll_mean": float(-np.mean(lps)) if lps.size else 0.0}
+          "sampled_nll_mean": float(-np.mean(lps)) if lps.size else 0.0,
+          # multi-turn envs: turns, tool calls, tool errors per episode
+          **episode_info_means(sampled)}
 
 
 def has_signal(trajs: Sequence[Trajectory]) -> bool:
@@ -393,8 +396,8 @@ def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> di
       "heldout_pass1_init": by_name["init"]["pass1"],
       "heldout_pass1_before": by_name["before"]["pass1"],
       "heldout_pass1_after": by_name["after"]["pass1"],
-      f"heldout_pass{k}_before": by_name["before"][f"pass{k}"],
-      f"heldout_pass{k}_after": by_name["after"][f"pass{k}"],
+      f"heldout_{sampled_key(k)}_before": by_name["before"][sampled_key(k)],
+      f"heldout_{sampled_key(k)}_after": by_name["after"][sampled_key(k)],
       "heldout_reward_before": by_name["before"]["reward_greedy"],
       "heldout_reward_after": by_name["after"]["reward_greedy"],
       "heldout_tasks": len(run.heldout),

@@ -2,7 +2,8 @@
 
 pass@1 is the fraction of tasks whose greedy episode succeeds. pass@k samples n >= k
 episodes per task at the given temperature and uses the unbiased estimator of Chen et al.
-2021 (HumanEval): 1 - C(n - c, k) / C(n, k) with c successes, averaged over tasks.
+2021 (HumanEval): 1 - C(n - c, k) / C(n, k) with c successes, averaged over tasks (its key
+is `sampled_key(k)`: "pass1_sampled" for k = 1, apart from the greedy "pass1").
 Infra failures count as failures here (an eval must not look better because the env broke);
 their number is reported.
 """
@@ -15,11 +16,15 @@ import numpy as np
 
 from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.envs.base import Env, Task
-from rljax.pipeline.rollout import generate_groups, outcome_counts
+from rljax.pipeline.rollout import episode_info_means, generate_groups, outcome_counts
 from rljax.rl.trajectory import Outcome
 
 # eval request ids live far from training ones, so their PRNG streams never coincide
 EVAL_REQUEST_BASE = 1 << 30
+
+
+def sampled_key(k: int) -> str:
+  return f"pass{k}" if k > 1 else "pass1_sampled"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,9 +57,12 @@ def evaluate(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, k: int, n
   counts = outcome_counts(greedy + sampled)
   return {
       "pass1": success_rate(greedy),
-      f"pass{k}": float(np.mean([pass_at_k(n, sum(map(success, g.trajectories)), k)
-                                 for g in sampled])),
+      sampled_key(k): float(np.mean(
+          [pass_at_k(n, sum(map(success, g.trajectories)), k) for g in sampled])),
       "reward_greedy": float(np.mean([g.trajectories[0].reward for g in greedy])),
       "infra_failures": counts[Outcome.INFRA_FAILURE.value],
       "tasks": len(tasks),
+      # multi-turn envs: the greedy episodes' turns, tool calls, ... per episode
+      **{f"greedy_{k}": v for k, v in
+         episode_info_means([t for g in greedy for t in g.trajectories]).items()},
   }

@@ -11,7 +11,12 @@ with observations off the loss mask. This is `rljax.envs.rollout`'s protocol, ba
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
 `step` or `verify` makes the sample an infra failure (no gradient, no baseline). Verifier
 calls run on worker threads while the engine decodes the other samples: a slow verifier
-(see `rljax.envs.LatencyModel`) holds up its own sample, not the batch.
+(see `rljax.envs.LatencyModel`) holds up its own sample, not the batch. The env steps of
+the samples that ended a turn in the same engine step run concurrently on those threads,
+and the engine steps again once all of them answered (a tool call that starts a process,
+as the Python tool's sandbox does, costs tens of ms: a batch's calls overlap). A
+multi-turn episode's `Trajectory.info` holds its turns and its steps' info summed
+(`rljax.envs.base.add_step_info`: tool calls, tool errors).
 
 `EpisodeRunner` is the incremental form (the async rollout host adds groups while others
 are decoding): `add` submits a group, each `step` is one `engine.step()` and returns the
@@ -29,7 +34,8 @@ from typing import Sequence
 import numpy as np
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
-from rljax.envs.base import Env, MultiTurnEnv, Task, Verdict, safe_step, safe_verify
+from rljax.envs.base import (Env, MultiTurnEnv, Task, Verdict, add_step_info, safe_step,
+                             safe_verify)
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 _MAX_REQUEST_ID = 2**31 - 1  # request ids enter the sampling keys as int32
@@ -63,8 +69,11 @@ class EpisodeRunner:
   `add` one group per request id (each id at most once while it runs), `step` until
   `idle`. `verify` calls run on a pool of `env_workers` threads while the engine keeps
   decoding, so a slow verifier delays its own sample only; multi-turn `env.step` calls
-  run inline (a parked sequence holds pages the engine cannot take back). The engine is
-  driven from the caller's thread (not thread-safe: one loop drives engine and runner).
+  run on the same pool, all those of one engine step at once, and the engine steps again
+  only when they have all answered (a parked sequence holds pages the engine cannot take
+  back: admitting new prompts while steps wait could leave none for running sequences).
+  The engine is driven from the caller's thread (not thread-safe: one loop drives engine
+  and runner).
   """
 
   def __init__(self, engine: DecodeEngine, env: Env, *, sampling: SamplingParams, seed: int,
@@ -81,6 +90,7 @@ class EpisodeRunner:
                                         stop_tokens=tuple(sampling.stop_tokens) + stops)
     self._pending: dict[int, _Pending] = {}
     self._turn_start: dict[tuple[int, int], int] = {}  # completion length when a turn began
+    self._info: dict[tuple[int, int], dict] = {}  # a running episode's turns and step info
     self._calls = concurrent.futures.ThreadPoolExecutor(env_workers,
                                                         thread_name_prefix="rljax-env")
     self._in_env: dict[concurrent.futures.Future, Trajectory] = {}  # verdicts in flight
@@ -125,11 +135,16 @@ class EpisodeRunner:
     if not self._pending:
       return []
     if not self.engine.idle:
-      for traj in self.engine.step():
+      ended = self.engine.step()
+      for traj in ended:
         if traj.request_id not in self._pending:
           raise RuntimeError(f"request {traj.request_id} is not this runner's: the engine "
                              "must carry only the runner's work")
-        self._turn_ended(traj)
+      if self.multi:
+        self._turns_ended(ended)
+      else:
+        for traj in ended:
+          self._verify(traj)
     elif not self._in_env:
       raise RuntimeError(f"the engine is idle but requests {self.running} are incomplete")
     else:
@@ -154,23 +169,27 @@ class EpisodeRunner:
                                                     timeout_s=self.timeout_s))
     self._in_env[future] = traj
 
-  def _turn_ended(self, traj: Trajectory) -> None:
-    """A sample stopped: verify it, or (multi-turn) ask the env for the next observation."""
-    if not self.multi:
-      self._verify(traj)
-      return
-    key = (traj.request_id, traj.sample_index)
-    start = self._turn_start.pop(key, 0)
-    if traj.finish_reason == FinishReason.LENGTH and len(traj.tokens) >= self.engine.max_seq_len:
-      self._end_episode(traj, None)  # the sequence is full: no further turn
-      return
-    # inline, not on the env threads: a parked sequence holds its pages until it is
-    # extended or released, and the engine cannot preempt parked sequences, so waiting
-    # for env steps while admitting new work can leave no pages for a running sequence
-    task = self._pending[traj.request_id].task
-    history, action = traj.completion_ids[:start], traj.completion_ids[start:]
-    self._after_env_step(traj, safe_step(self.env, task, history, action,
-                                         timeout_s=self.timeout_s))
+  def _turns_ended(self, trajs: Sequence[Trajectory]) -> None:
+    """Samples stopped at the end of a turn: each gets the env's next observation (their
+    env steps run concurrently; the engine waits for all of them) or ends its episode."""
+    steps = []
+    for traj in trajs:
+      key = (traj.request_id, traj.sample_index)
+      start = self._turn_start.pop(key, 0)
+      info = self._info.setdefault(key, {"turns": 0})
+      info["turns"] += 1
+      if (traj.finish_reason == FinishReason.LENGTH
+          and len(traj.tokens) >= self.engine.max_seq_len):
+        self._end_episode(traj, None)  # the sequence is full: no further turn
+        continue
+      task = self._pending[traj.request_id].task
+      history, action = traj.completion_ids[:start], traj.completion_ids[start:]
+      steps.append((traj, self._calls.submit(safe_step, self.env, task, history, action,
+                                             timeout_s=self.timeout_s)))
+    for traj, future in steps:  # in the engine's order, whatever order they answered in
+      result = future.result()
+      add_step_info(self._info[(traj.request_id, traj.sample_index)], result)
+      self._after_env_step(traj, result)
 
   def _after_env_step(self, traj: Trajectory, result) -> None:
     if result.error is None and not result.done:
@@ -186,6 +205,7 @@ class EpisodeRunner:
 
   def _end_episode(self, traj: Trajectory, result) -> None:
     self.engine.release(traj.request_id, traj.sample_index)
+    traj.info = self._info.pop((traj.request_id, traj.sample_index), {})
     if result is not None and result.error is not None:
       verdict = Verdict.infra_failure("step failed", error=result.error)
       done = concurrent.futures.Future()
@@ -221,3 +241,13 @@ def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
     for t in g.trajectories:
       counts[t.outcome.value] += 1
   return counts
+
+
+def episode_info_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+  """Per-episode means of the multi-turn episodes' `info` ("turns_per_episode",
+  "tool_calls_per_episode", ...; a key an episode lacks counts 0 there); {} when no
+  trajectory has info (single-turn envs, or groups that crossed the wire)."""
+  infos = [t.info for t in trajs if t.info]
+  keys = sorted({k for info in infos for k in info})
+  return {f"{k}_per_episode": float(np.mean([info.get(k, 0) for info in infos]))
+          for k in keys}

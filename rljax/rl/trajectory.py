@@ -43,6 +43,10 @@ class Trajectory:
   sample_index: int = 0
   reward: float = float("nan")
   outcome: Outcome = Outcome.UNKNOWN
+  # multi-turn episodes: {"turns": n} + the env's step info summed over the episode
+  # (e.g. tool_calls, tool_errors), set by the rollout; local to the process that ran the
+  # episode (the wire carries arrays only: a rollout host's groups arrive without it)
+  info: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     c = len(self.completion_ids)
