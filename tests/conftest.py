@@ -50,6 +50,7 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519
     "test_notebooks.py", "test_learner.py", "test_async_pipeline.py",  # 228-213
     "test_model_invariance.py", "test_scan_layers.py", "test_rollout_host.py",  # 175-111
     "test_engine_sharded.py", "test_own_checkpoint_e2e.py", "test_learning.py",  # 110-91
+    "test_python_tool_env.py", "test_openai_endpoint.py",  # ~150, ~100
     "test_hf_import.py", "test_device_check.py",  # 73, ~90 (3 subprocess runs)
     "test_batch_parts.py", "test_engine_multiprocess.py",  # 49-51
 )

@@ -45,7 +45,7 @@ def test_each_process_feeds_its_part_and_the_update_is_the_whole_batchs(tmp_path
   results = []
   try:
     for p in procs:
-      out, err = p.communicate(timeout=240)
+      out, err = p.communicate(timeout=600)
       assert p.returncode == 0, err[-4000:]
       results.append(json.loads(out.strip().splitlines()[-1]))
   finally:

@@ -39,7 +39,7 @@ HOST = REPO / "experiments" / "rollout_host.py"
 BUCKET = "rljax-multihost"
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
-TIMEOUT = 300
+TIMEOUT = 600  # hang guards: the kill drill alone takes 2-5 min on 2 loaded cores
 STEPS = 4
 FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",

@@ -60,7 +60,7 @@ def _probe(mode: str, compute_first: bool = False) -> dict:
            if f not in numerics.DETERMINISTIC_XLA_FLAGS]
   env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
   out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(int(compute_first))], env=env,
-                       cwd=REPO, capture_output=True, text=True, check=True, timeout=80)
+                       cwd=REPO, capture_output=True, text=True, check=True, timeout=300)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
