@@ -99,6 +99,7 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   # the 64 (the AOT check's plan: train state < 8 GiB a device)
   c.rl.microbatches = 8
   c.rl.router_replay = True  # the trainer replays the experts the engine routed to
+  c.rl.overlong = "score"  # an episode cut by the context: see configs/arith_tiny.py
   c.rl.loss = ml_collections.ConfigDict(dict(
       clip_low=0.2, clip_high=0.28, aggregation="token_mean", max_tokens=None, tis=True,
       tis_cap=2.0, mis=False, mis_low=0.5, mis_high=2.0, kl_coef=0.0, entropy_coef=0.0))

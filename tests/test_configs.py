@@ -125,6 +125,8 @@ BAD_VALUES = [
     ("rl.advantage", "ppo", r"config.rl.advantage must be one of \['grpo', 'drgrpo', 'rloo'\], "
      "not 'ppo'"),
     ("rl.group_size", 1, r"config.rl.group_size must be >= 2"),
+    ("rl.overlong", "truncate", r"config.rl.overlong must be one of \['score', 'mask', "
+     r"'drop'\] \(what training does with an episode cut by the context\), not 'truncate'"),
     ("rl.loss.kl_coef", 0.1, r"config.rl.loss.kl_coef must be 0"),
     ("rl.loss.entropy_coef", 0.01, r"config.rl.loss.entropy_coef must be 0"),
     ("rl.microbatches", 0, r"config.rl.prompts_per_step and config.rl.microbatches must be >= 1"),

@@ -118,7 +118,7 @@ def test_stop_conditions(tiny_cfg, tiny_params):
   assert e.finish_reason == FinishReason.EOS
   np.testing.assert_array_equal(e.completion_ids, s.completion_ids)
   (m,) = eng.generate([Request(1, np.arange(3, 60), sampling=SamplingParams(max_new_tokens=50))])
-  assert m.finish_reason == FinishReason.LENGTH and len(m.tokens) == 64  # max_seq_len
+  assert m.finish_reason == FinishReason.CONTEXT and len(m.tokens) == 64  # max_seq_len
 
 
 def test_sampling_modes(tiny_cfg, tiny_params):

@@ -234,6 +234,43 @@ def test_completions_extend_the_text_without_retokenizing(served, reference_engi
   assert rescore_diff(run, [traj]) == 0.0
 
 
+def test_an_episode_that_outgrows_the_context_finishes_cut(served, reference_engine):
+  # Long episodes: a reply that reaches max_seq_len, or a turn refused with
+  # context_length_exceeded, finishes the episode as FinishReason.CONTEXT (what the trainer
+  # trains of it is config.rl.overlong's); a turn that fits after a refused one is how the
+  # episode ends instead.
+  run, endpoint = served
+  _register(endpoint, "full")
+  full = _client(endpoint, f"{endpoint.url}/episodes/full/v1")
+  prompt = [5 + i % 300 for i in range(MAX_SEQ_LEN - 2)]
+  r = full.completions.create(model="rljax", prompt=prompt, max_tokens=50)
+  assert len(r.rljax["completion_token_ids"]) == 2 and r.choices[0].finish_reason == "length"
+  traj = endpoint.finish("full", reward=0.0)
+  assert traj.finish_reason == FinishReason.CONTEXT and len(traj.tokens) == MAX_SEQ_LEN
+  assert_same_record(traj, engine_reference(reference_engine, endpoint, traj, [50]))
+
+  _register(endpoint, "refused")
+  client = _client(endpoint, f"{endpoint.url}/episodes/refused/v1")
+  seq = [5, 6, 7, 8]
+  r = client.completions.create(model="rljax", prompt=seq, max_tokens=4)
+  seq += r.rljax["completion_token_ids"]
+  too_long = seq + [9] * (MAX_SEQ_LEN - len(seq))
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="rljax", prompt=too_long, max_tokens=4)
+  assert e.value.code == "context_length_exceeded"
+  assert endpoint.episode("refused").finish_reason == FinishReason.CONTEXT
+  r = client.completions.create(model="rljax", prompt=seq + [9, 10], max_tokens=4)  # fits
+  seq += [9, 10] + r.rljax["completion_token_ids"]
+  assert endpoint.episode("refused").finish_reason != FinishReason.CONTEXT
+  with pytest.raises(openai.BadRequestError, match="max_seq_len is 128"):
+    client.completions.create(model="rljax", prompt=seq + [9] * MAX_SEQ_LEN, max_tokens=4)
+  traj = endpoint.finish("refused", reward=1.0)
+  assert traj.finish_reason == FinishReason.CONTEXT
+  assert traj.tokens.tolist() == seq  # refused calls appended nothing
+  assert rescore_diff(run, [traj]) == 0.0
+  assert run.engine.pool.used_count == 0
+
+
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
   run, endpoint = served
   client = _client(endpoint)

@@ -17,12 +17,14 @@ from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.envs import ArithmeticEnv, StepResult, Verdict
 from rljax.model import forward
 from rljax.model.packing import pack
+from rljax.model.scoring import packed_logprobs
 from rljax.numerics import Numerics
 from rljax.pipeline.evaluate import evaluate, pass_at_k
 from rljax.pipeline.metrics import MetricsLogger, plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
 from rljax.pipeline.core import rows_for
-from rljax.rl.trajectory import Outcome
+from rljax.pipeline import wire
+from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 DET = Numerics("deterministic")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -156,6 +158,90 @@ def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, ti
       chex.assert_trees_all_equal(ta.behaviour_logprobs, tb.behaviour_logprobs)
       chex.assert_trees_all_equal(ta.expert_ids, tb.expert_ids)
   assert small.idle and small.pool.used_count == 0
+
+
+def test_episodes_that_outgrow_the_context_are_cut_there(tiny_cfg, tiny_params,
+                                                        echo_episodes_with_room):
+  # An env that never says done: every episode ends at the context (48 tokens), either
+  # because a turn reached it or because the next observation did not fit. Each keeps
+  # what it had (observations off the mask, the trainer's log-probs bitwise), finishes
+  # as FinishReason.CONTEXT, and keeps that reason across the wire.
+  env = _EchoTool()
+  env.max_turns = 50
+  max_len, obs = 48, len(env.obs)
+  eng = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=max_len)
+  groups = generate_groups(eng, env, env.prompts("train", 4, seed=0), group_size=4, seed=2,
+                           sampling=SamplingParams(max_new_tokens=5))
+  trajs = [t for g in groups for t in g.trajectories]
+  rescored = packed_logprobs(tiny_params, [t.tokens for t in trajs], cfg=tiny_cfg,
+                             numerics=DET, row_len=max_len)
+  for t, lp in zip(trajs, rescored):
+    assert t.finish_reason == FinishReason.CONTEXT and 1 <= t.info["turns"] < 50
+    assert len(t.tokens) == max_len or len(t.tokens) + obs >= max_len
+    m = t.loss_mask
+    assert (~m).sum() == (t.info["turns"] - 1) * obs and m[-1]
+    chex.assert_trees_all_equal(lp[len(t.prompt_ids) - 1:][m], t.behaviour_logprobs[m])
+  full = sum(len(t.tokens) == max_len for t in trajs)
+  assert 0 < full < len(trajs)  # both ways of reaching the context happened
+  for g in groups:
+    back = wire.group_from_arrays(wire.group_to_arrays(g.trajectories), g.request_id)
+    assert [t.finish_reason for t in back] == [FinishReason.CONTEXT] * 4
+  assert eng.idle and not eng.parked and eng.pool.used_count == 0
+  # episodes the env ends (3 turns, with room) are not cut
+  assert all(t.finish_reason != FinishReason.CONTEXT
+             for g in echo_episodes_with_room for t in g.trajectories)
+
+  # single turn (same engine): an answer stopped by the context is cut, one stopped by
+  # max_new_tokens is not
+  arith = ArithmeticEnv(max_digits=2)
+  tasks = arith.prompts("train", 2, seed=0)
+  reasons = set()
+  for new, first in ((max_len, 100), (2, 200)):
+    for g in generate_groups(eng, arith, tasks, group_size=4, seed=1, first_request_id=first,
+                             sampling=SamplingParams(max_new_tokens=new)):
+      for t in g.trajectories:
+        if t.completion_ids[-1] == arith.tokenizer.eos_id:
+          assert t.finish_reason == FinishReason.EOS
+        else:
+          assert t.finish_reason == (FinishReason.CONTEXT if len(t.tokens) == max_len
+                                     else FinishReason.LENGTH)
+          assert len(t.tokens) == max_len or len(t.completion_ids) == new
+        reasons.add(t.finish_reason)
+  assert {FinishReason.CONTEXT, FinishReason.LENGTH} <= reasons
+
+
+@pytest.mark.parametrize("overlong", ["score", "mask", "drop"])
+def test_overlong_says_what_an_episode_cut_by_the_context_trains(overlong):
+  # two groups of four; sample 0 of each was cut by the context
+  import types  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.rl.advantages import group_advantages  # pylint: disable=import-outside-toplevel
+  rewards = np.array([1, 0, 0, 1, 0, 1, 1, 1], np.float32)
+  cut = np.array([1, 0, 0, 0, 1, 0, 0, 0], bool)
+  groups = [[Trajectory(np.array([1], np.int32), np.array([2, 3], np.int32), np.ones(2, bool),
+                        np.zeros(2, np.float32), np.zeros(2, np.int32), None,
+                        FinishReason.CONTEXT if cut[i] else FinishReason.EOS,
+                        reward=float(rewards[i]),
+                        outcome=Outcome.SUCCESS if rewards[i] else Outcome.MODEL_FAILURE)
+             for i in range(4 * g, 4 * g + 4)] for g in range(2)]
+  run = types.SimpleNamespace(config=ml_collections.ConfigDict(
+      {"rl": {"prompts_per_step": 2, "group_size": 4, "overlong": overlong}}))
+  grpo = types.SimpleNamespace(advantages=lambda r, gid, v: group_advantages(
+      r, gid, v, kind="grpo", num_groups=2))
+  adv = core.advantages_of(run, grpo, groups)
+  gids = np.repeat([0, 1], 4)
+  everyone, uncut = np.ones(8, bool), ~cut
+  want = np.asarray(group_advantages(rewards, gids, uncut if overlong == "drop" else everyone,
+                                     kind="grpo", num_groups=2)[0])
+  chex.assert_trees_all_equal(adv.values, want)
+  chex.assert_trees_all_equal(adv.valid, everyone if overlong == "score" else uncut)
+  assert adv.stats["overlong_episodes"] == 2
+  if overlong == "drop":  # group 1 without its cut sample ties: no signal, advantages 0
+    assert not core.has_signal(groups[1], overlong) and not adv.values[4:].any()
+  else:
+    assert core.has_signal(groups[1], overlong) and adv.values[4:].any()
+  assert core.rollout_stats([t for g in groups for t in g])["overlong_frac"] == 0.25
 
 
 def test_env_errors_are_infra_failures(tiny_cfg, tiny_params):
@@ -332,7 +418,6 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
   from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.rollout import Group
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel  # pylint: disable=import-outside-toplevel
-  from rljax.rl.trajectory import FinishReason, Trajectory  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, moe_intermediate_size=16,
@@ -421,7 +506,6 @@ def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_p
 
 def test_rollout_stats_estimate_the_sampling_entropy_over_policy_tokens_only():
   from rljax.pipeline.core import rollout_stats  # pylint: disable=g-import-not-at-top
-  from rljax.rl.trajectory import FinishReason, Trajectory  # pylint: disable=g-import-not-at-top
 
   def traj(lps, mask, reward, outcome=Outcome.SUCCESS):
     n = len(lps)

@@ -343,7 +343,9 @@ class Scheduler:
       return FinishReason.EOS
     if token in seq.request.sampling.stop_tokens:
       return FinishReason.STOP
-    if seq.turn_tokens >= seq.turn_budget or len(seq.tokens) >= self.max_seq_len:
+    if len(seq.tokens) >= self.max_seq_len:
+      return FinishReason.CONTEXT
+    if seq.turn_tokens >= seq.turn_budget:
       return FinishReason.LENGTH
     return None
 

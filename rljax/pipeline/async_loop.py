@@ -299,7 +299,7 @@ class AsyncTrainer:
       if group_staleness(self.run.version, trajs) > self.a.max_staleness:
         self.owner.mark_dropped(ready.group_id, "stale")
         self.dropped_stale += 1
-      elif filter_ties and not core.has_signal(trajs):
+      elif filter_ties and not core.has_signal(trajs, self.run.config.rl.overlong):
         self.owner.mark_dropped(ready.group_id, "no_signal")
         self.dropped_no_signal += 1
         self.ties_dropped_this_update += 1

@@ -286,6 +286,9 @@ def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
   return {"success_frac": outcomes.count(Outcome.SUCCESS) / max(len(sampled), 1),
           "rollout_reward_mean": float(np.mean(valid)) if valid else 0.0,
           "infra_failures": outcomes.count(Outcome.INFRA_FAILURE),
+          # episodes cut by the context (`rl.overlong` says what training does with them)
+          "overlong_frac": sum(t.finish_reason == FinishReason.CONTEXT
+                               for t in sampled) / max(len(sampled), 1),
           "completion_tokens_mean": float(np.mean([t.loss_mask.sum() for t in sampled])),
           # -log pi of the sampled tokens: the sampling policy's per-token entropy in
           # expectation (at the sampling temperature); it falls as the policy collapses
@@ -294,15 +297,23 @@ def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
           **episode_info_means(sampled)}
 
 
-def has_signal(trajs: Sequence[Trajectory]) -> bool:
-  """Some two valid (non-infra) samples of the group differ in reward: it has an advantage."""
-  rewards = {t.reward for t in trajs if t.outcome != Outcome.INFRA_FAILURE}
+def in_baseline(t: Trajectory, overlong: str = "score") -> bool:
+  """The sample's reward counts in its group's baseline: not an infra failure, and not an
+  episode cut by the context where `overlong` drops those."""
+  return t.outcome != Outcome.INFRA_FAILURE and not (
+      overlong == "drop" and t.finish_reason == FinishReason.CONTEXT)
+
+
+def has_signal(trajs: Sequence[Trajectory], overlong: str = "score") -> bool:
+  """Some two samples of the group's baseline differ in reward: it has an advantage."""
+  rewards = {t.reward for t in trajs if in_baseline(t, overlong)}
   return len(rewards) > 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Advantages:
-  """Every sample's advantage and validity (False: an infra failure), in batch order, and
+  """Every sample's advantage and whether it trains (False: an infra failure, or an
+  episode cut by the context that `rl.overlong` masks or drops), in batch order, and
   their statistics (the update's metrics)."""
 
   values: np.ndarray  # [S] f32
@@ -318,10 +329,13 @@ def advantages_of(run: Run, grpo_state: GrpoLearner,
     raise ValueError(f"an update takes {c.prompts_per_step} groups of {c.group_size}")
   trajs = [t for g in groups for t in g]
   rewards = np.array([t.reward for t in trajs], np.float32)
-  valid = np.array([t.outcome != Outcome.INFRA_FAILURE for t in trajs])
+  baseline = np.array([in_baseline(t, c.overlong) for t in trajs])
+  cut = np.array([t.finish_reason == FinishReason.CONTEXT for t in trajs])
   group_ids = np.repeat(np.arange(len(groups)), c.group_size)
-  adv, stats = grpo_state.advantages(rewards, group_ids, valid)
-  return Advantages(np.asarray(adv, np.float32), valid, jax.device_get(stats))
+  adv, stats = grpo_state.advantages(rewards, group_ids, baseline)
+  trains = baseline & ~cut if c.overlong == "mask" else baseline
+  stats = jax.device_get(stats) | {"overlong_episodes": int(cut.sum())}
+  return Advantages(np.asarray(adv, np.float32), trains, stats)
 
 
 def batch_part(run: Run) -> tuple[int, int]:

@@ -69,6 +69,10 @@ room max_seq_len leaves (a prompt that leaves none: 400 `context_length_exceeded
 `stop` may name single tokens only; `n` must be 1 (a GRPO group is several episodes);
 `logprobs` returns the behaviour log-probs (`top_logprobs` unsupported).
 
+Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
+last call was refused with `context_length_exceeded`, finishes as an episode cut by the
+context (`FinishReason.CONTEXT`; the trainer's `config.rl.overlong` says what it trains).
+
 Threads. One engine-owner thread drives the engine (submits, extends, releases,
 `step`, `update_weights`); HTTP handler threads validate, tokenize, enqueue a turn and wait
 for it. Concurrent calls are decoded in the same engine steps (continuous batching);
@@ -482,6 +486,9 @@ class Endpoint:
       raise ApiError(400, "empty prompt")
     room = self.engine.max_seq_len - len(ep.tokens) - len(new_ids)
     if room < 1:
+      if ep.turns:  # finished as it is, the episode was cut by the context (a later turn
+        with self._lock:  # that fits, e.g. a shorter observation, ends otherwise)
+          ep.finish_reason = FinishReason.CONTEXT
       raise ApiError(400, f"the episode's context would be {len(ep.tokens) + len(new_ids)} "
                      f"tokens; this engine's max_seq_len is {self.engine.max_seq_len} (one "
                      "token must stay free for the reply)", "context_length_exceeded")
@@ -817,7 +824,7 @@ class Endpoint:
 
 
 def _finish(reason: FinishReason) -> str:
-  return "length" if reason == FinishReason.LENGTH else "stop"
+  return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
 
 
 def _handler(endpoint: Endpoint):

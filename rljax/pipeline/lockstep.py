@@ -59,8 +59,9 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
                               seed=run.config.seed, first_request_id=next_request)
       next_request += n
       sampled += [t for g in drawn for t in g.trajectories]
-      drawn.sort(key=lambda g: not core.has_signal(g.trajectories))  # stable: signal first
-      groups += [g for g in drawn if round_ == rounds or core.has_signal(g.trajectories)][:need]
+      drawn.sort(key=lambda g: not core.has_signal(g.trajectories, c.overlong))  # signal first
+      groups += [g for g in drawn
+                 if round_ == rounds or core.has_signal(g.trajectories, c.overlong)][:need]
       if len(groups) == c.prompts_per_step:
         break
     t1 = time.perf_counter()

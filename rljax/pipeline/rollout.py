@@ -8,6 +8,12 @@ prefilled), until the env says done, the turn budget is spent or the sequence is
 The episode is one growing sequence; its final Trajectory carries every turn's tokens,
 with observations off the loss mask. This is `rljax.envs.rollout`'s protocol, batched.
 
+Long episodes: the context (`engine.max_seq_len`) bounds an episode. One that reaches it
+(a turn stopped by the context, or an observation that does not fit after the last
+action) ends there, truncated: it keeps every token it has, is verified on what it did,
+and finishes with `FinishReason.CONTEXT`. What training does with it is the trainer's
+choice (`config.rl.overlong`, `rljax.pipeline.core.advantages_of`).
+
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
 `step` or `verify` makes the sample an infra failure (no gradient, no baseline). Verifier
 calls run on worker threads while the engine decodes the other samples: a slow verifier
@@ -178,8 +184,7 @@ class EpisodeRunner:
       start = self._turn_start.pop(key, 0)
       info = self._info.setdefault(key, {"turns": 0})
       info["turns"] += 1
-      if (traj.finish_reason == FinishReason.LENGTH
-          and len(traj.tokens) >= self.engine.max_seq_len):
+      if traj.finish_reason == FinishReason.CONTEXT:
         self._end_episode(traj, None)  # the sequence is full: no further turn
         continue
       task = self._pending[traj.request_id].task
@@ -201,6 +206,7 @@ class EpisodeRunner:
         self._turn_start[(traj.request_id, traj.sample_index)] = (len(traj.completion_ids)
                                                                   + len(obs))
         return
+      traj.finish_reason = FinishReason.CONTEXT  # the observation does not fit: cut here
     self._end_episode(traj, result)
 
   def _end_episode(self, traj: Trajectory, result) -> None:

@@ -68,7 +68,7 @@ BLOCKS: dict[str, tuple[str, ...]] = {
     "rl": ("steps", "prompts_per_step", "group_size", "num_tasks", "max_new_tokens",
            "temperature", "top_k", "top_p", "advantage", "dynamic_sampling_rounds",
            "learning_rate", "warmup_steps", "final_lr_frac", "adam_b2", "weight_decay",
-           "clip_norm", "microbatches", "router_replay", "loss"),
+           "clip_norm", "microbatches", "router_replay", "overlong", "loss"),
     "train": ("row_len",),
     "eval": ("num_tasks", "k", "n", "temperature", "seed", "every"),
     "log": ("tensorboard",),
@@ -140,6 +140,10 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
     if rl.advantage not in advantages.KINDS:
       raise ConfigError(f"config.rl.advantage must be one of {list(advantages.KINDS)}, not "
                         f"{rl.advantage!r}")
+    if rl.overlong not in advantages.OVERLONG:
+      raise ConfigError(f"config.rl.overlong must be one of {list(advantages.OVERLONG)} (what "
+                        f"training does with an episode cut by the context), not "
+                        f"{rl.overlong!r}")
     if rl.group_size < 2:
       raise ConfigError(f"config.rl.group_size must be >= 2 (a group's baseline needs two "
                         f"samples), not {rl.group_size}")

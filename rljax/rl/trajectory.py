@@ -19,8 +19,12 @@ class Outcome(str, enum.Enum):
 class FinishReason(str, enum.Enum):
   EOS = "eos"
   STOP = "stop"  # a stop token other than EOS
-  LENGTH = "length"  # max new tokens, or the page budget of the sequence
+  LENGTH = "length"  # the turn's max new tokens
   ABORTED = "aborted"
+  # the sequence reached the context (the engine's max_seq_len), or a multi-turn episode's
+  # next observation did not fit in it: the episode was cut (`config.rl.overlong` says
+  # what training does with it). Last, so the wire's codes of the others stay as they were.
+  CONTEXT = "context"
 
 
 @dataclasses.dataclass
