@@ -57,6 +57,7 @@ from rljax import sharding as sharding_lib
 from rljax.engine.pages import pages_for
 from rljax.engine.programs import EnginePrograms
 from rljax.model import ModelConfig, abstract_params, active_params, count_params
+from rljax.model import lora as lora_lib
 from rljax.pipeline.run import MODEL_ONLY, build
 from rljax.rl import learner
 from rljax.rl.batch import TrainBatch
@@ -213,8 +214,9 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
           name: str | None = None, steps_per_call: int = 8, microbatch_tokens: int = 0,
           row_len: int = 0, microbatches: int = 1, decode_mesh: dict[str, int] | None = None,
           decode_rules: str = "decode", platform: str | None = None,
-          compile_: bool = True) -> dict:
-  """Lowers (and compiles) the train and decode steps of `config`; returns the report."""
+          compile_: bool = True, lora_rank: int = 16) -> dict:
+  """Lowers (and compiles) the train and decode steps of `config`; returns the report
+  (with the train state a LoRA run of rank `lora_rank` would hold, beside it)."""
   platform = {"gpu": "cuda"}.get(platform, platform) or running_platform()
   # backend choices for the platform lowered for, not the one this runs on
   built = build(config, MODEL_ONLY + (("rl",) if "rl" in config else ()), devices=False,
@@ -256,10 +258,19 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
     step = learner.make_grpo_step(cfg, optimizer, numerics=numerics,
                                   loss_cfg=learner.LossConfig(), sharding=train_sh,
                                   state_sharding=state_sharding)
-  train, _ = lower_and_compile(step.jitted, (state, batch, jax.ShapeDtypeStruct((), jnp.int32)),
+  train, _ = lower_and_compile(step.jitted,
+                               (state, batch, jax.ShapeDtypeStruct((), jnp.int32), None),
                                platform=platform, mesh_size=mesh_size, compile_=compile_)
   train.update(rows_per_microbatch=rows, row_len=row_len, microbatches=microbatches,
                microbatch_tokens=rows * row_len, router_replay=replay)
+
+  # ---- LoRA: adapters' f32 masters and moments, the frozen base in bf16 ------------------
+  lora = lora_lib.LoraConfig(rank=lora_rank)
+  lora_sharding = learner.state_shardings(cfg, optimizer, train_sh, lora)
+  lora_state = with_shardings(jax.eval_shape(
+      lambda k: learner.init_state(lora_lib.init_adapters(cfg, lora, k), optimizer),
+      jax.random.key(0)), lora_sharding)
+  lora_opt = split_opt_state(lora_state.opt_state)
 
   # ---- engine: the decode loop the engine runs, on abstract params and KV pages ----------
   programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
@@ -278,13 +289,18 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
       "params_f32": state.params, "params_bf16_train": serving_train,
       "adam_mu": opt_parts["mu"], "adam_nu": opt_parts["nu"],
       "counts": (opt_parts["other"], state.step),
-      "train_batch": batch, "params_bf16_serving": serving, "kv_pages": (pool, pool)}
+      "train_batch": batch, "params_bf16_serving": serving, "kv_pages": (pool, pool),
+      "lora_adapters_f32": lora_state.params, "lora_adam": (lora_opt["mu"], lora_opt["nu"]),
+      "lora_counts": (lora_opt["other"], lora_state.step)}
   per_device = {k: tree_bytes(v) for k, v in parts.items()}
   per_global = {k: tree_bytes(v, global_bytes) for k, v in parts.items()}
   for totals in (per_device, per_global):
     # all of TrainState: masters, moments, optimizer and step counts
     totals["train_state"] = sum(totals[k] for k in ("params_f32", "adam_mu", "adam_nu", "counts"))
     totals["engine"] = totals["params_bf16_serving"] + totals["kv_pages"]
+    # a LoRA trainer holds the frozen base (bf16, the train layout) beside its state
+    totals["lora_train_state"] = sum(totals[k] for k in (
+        "params_bf16_train", "lora_adapters_f32", "lora_adam", "lora_counts"))
   arrays = {}
   for (path, master), serve in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
                                    jax.tree.leaves(serving)):
@@ -303,7 +319,9 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
              "spec": str(pool.sharding.spec),
              "bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                                 * cfg.head_dim * itemsize},
-      "train": train, "decode": decode, "arrays": arrays}
+      "train": train, "decode": decode, "arrays": arrays,
+      "lora": {"rank": lora.rank, "targets": list(lora.targets),
+               "adapter_params": count_params(lora_state.params)}}
 
 
 # HBM per chip, in bytes (vendors' GB)
@@ -323,6 +341,9 @@ def table(report: dict) -> str:
           ("trainer: adam mu", "adam_mu"), ("trainer: adam nu", "adam_nu"),
           ("trainer: step counts", "counts"),
           ("trainer: state (master + opt)", "train_state"),
+          ("trainer, LoRA: adapters f32", "lora_adapters_f32"),
+          ("trainer, LoRA: adam mu + nu", "lora_adam"),
+          ("trainer, LoRA: base bf16 + state", "lora_train_state"),
           ("trainer: one step's batch", "train_batch"),
           ("engine: params bf16", "params_bf16_serving"),
           ("engine: KV pages (k + v)", "kv_pages"),
@@ -347,6 +368,8 @@ def table(report: dict) -> str:
                "come on top):")
   for chip, budget in BUDGETS.items():
     fits = [f"{who} {need / budget:.0%}" for who, need in
-            (("engine", d["engine"]), ("trainer", d["train_state"] + d["train_batch"]))]
+            (("engine", d["engine"]), ("trainer", d["train_state"] + d["train_batch"]),
+             (f"LoRA r{report['lora']['rank']} trainer",
+              d["lora_train_state"] + d["train_batch"]))]
     lines.append(f"  {chip} ({budget / 1e9:.0f} GB): " + ", ".join(fits))
   return "\n".join(lines)

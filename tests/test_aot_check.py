@@ -86,6 +86,10 @@ def test_tiny_per_device_bytes_match_hand_computation(tiny):
   assert tiny["train"]["memory"]["alias"] == per["train_state"]
   assert tiny["decode"]["memory"]["alias"] == per["kv_pages"]
   assert tiny["train"]["memory"]["argument"] >= per["train_state"] + per["train_batch"]
+  # LoRA (rank 16 by default): adapters' masters and moments, the frozen base in bf16
+  assert per["lora_adam"] == 2 * per["lora_adapters_f32"] > 0
+  assert per["lora_train_state"] == (per["params_bf16_train"] + per["lora_adapters_f32"]
+                                     + per["lora_adam"] + per["lora_counts"])
 
 
 def test_full_qwen3_30b_a3b_lowers():
@@ -106,3 +110,16 @@ def test_full_qwen3_30b_a3b_lowers():
   assert out["per_device_bytes"]["kv_pages"] == layers * num_pages // 8 * 16 * 4 * 128 * 2 * 2
   per = out["per_device_bytes"]
   assert per["train_state"] / GIB < 8 and per["engine"] / GIB < 40  # fits an 80 GB chip
+  # LoRA rank 16 on attention and every expert's gate / up / down: A [in, r], B [r, out]
+  h, kv, hd, r = 32, 4, 128, 16
+  per_layer = r * (2 * (d + h * hd) + 2 * (d + kv * hd) + 3 * e * (d + f))
+  assert out["lora"]["rank"] == r and out["lora"]["adapter_params"] == layers * per_layer
+  # each factor splits as its base's axes it keeps do (embed: fsdp 8, expert: 8; the rank
+  # and heads (model 1) whole): q, k, v A [d, r] / 8, B [r, out] whole; o A [h hd, r] whole,
+  # B [r, d] / 8; experts' gate, up A [d, E, r] / 64, B [E, r, f] / 8; down A [E, f, r]
+  # / 8, B [E, r, d] / 64
+  attn = d * r // 8 * 3 + r * (h * hd + 2 * kv * hd) + h * hd * r + r * d // 8
+  experts = 2 * (d * e * r // 64 + e * r * f // 8) + e * f * r // 8 + e * r * d // 64
+  assert per["lora_adapters_f32"] == 4 * layers * (attn + experts)
+  # the frozen base in bf16 (2 B/param) beside 12 B per adapter param, vs 12 B/param
+  assert per["lora_train_state"] < 0.25 * per["train_state"]

@@ -7,6 +7,12 @@ gradient flows back through the cast into the f32 masters. Microbatches are a `l
 over the leading axis of the batch (one trace, fixed shapes). A step whose loss or
 gradients are not finite is skipped: params, optimizer state and step stay as they were,
 and `metrics["skipped"]` says so.
+
+LoRA (`lora=LoraConfig`): the state's params are the adapters' f32 masters (their
+gradients and optimizer state only); the frozen base (serving dtype, bf16) is an argument
+of every step, never copied into the state. The forward runs on `lora.merge(base,
+adapters)`, the function the engine's weights come from (`serving_params`), so
+deterministic mode stays bitwise engine = trainer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import optax
 
 from rljax import sharding as sharding_lib
 from rljax.model import ModelConfig, abstract_params, forward, param_shardings
+from rljax.model import lora as lora_lib
 from rljax.numerics import Numerics
 from rljax.rl.batch import TrainBatch
 from rljax.rl.losses import LossConfig, global_norm, policy_loss
@@ -49,19 +56,36 @@ def init_state(params: Any, optimizer: optax.GradientTransformation) -> TrainSta
 
 
 def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                    sharding: sharding_lib.Sharding) -> TrainState:
-  """NamedShardings of the whole state: optimizer moments follow their params."""
-  p_sh = param_shardings(cfg, sharding)
-  opt_abstract = jax.eval_shape(optimizer.init, abstract_params(cfg, jnp.float32))
+                    sharding: sharding_lib.Sharding,
+                    lora: lora_lib.LoraConfig | None = None) -> TrainState:
+  """NamedShardings of the whole state: optimizer moments follow their params (the
+  adapters' with `lora`)."""
+  if lora is None:
+    p_sh = param_shardings(cfg, sharding)
+    abstract = abstract_params(cfg, jnp.float32)
+  else:
+    p_sh = sharding.tree_shardings(lora_lib.adapter_axes(cfg, lora))
+    abstract = jax.eval_shape(lambda k: lora_lib.init_adapters(cfg, lora, k),
+                              jax.random.key(0))
+  opt_abstract = jax.eval_shape(optimizer.init, abstract)
   replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
   opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt_abstract, p_sh,
                                             transform_non_params=lambda _: replicated)
   return TrainState(p_sh, opt_sh, replicated)
 
 
-def serving_params(state: TrainState, cfg: ModelConfig) -> Any:
-  """The params the engine samples with (and the trainer's forward sees): cfg.param_dtype."""
+def serving_params(state: TrainState, cfg: ModelConfig, *, base: Any = None,
+                   lora: lora_lib.LoraConfig | None = None) -> Any:
+  """The params the engine samples with (and the trainer's forward sees): cfg.param_dtype;
+  with `lora`, the frozen `base` with the state's adapters merged in."""
+  if lora is not None:
+    return _merge_jit(base, state.params, lora)
   return jax.tree.map(lambda x: x.astype(cfg.param_dtype), state.params)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _merge_jit(base, adapters, lora):
+  return lora_lib.merge(base, adapters, lora)
 
 
 def _grpo_microbatch_loss(params, mb: TrainBatch, current_version, *, cfg, numerics,
@@ -121,9 +145,10 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
 def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    numerics: Numerics, loss_cfg: LossConfig, replay: bool = True,
                    temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
-                   state_sharding: TrainState | None = None):
-  """Jitted `(state, microbatches[, current_version]) -> (state, metrics)`; the state is
-  donated.
+                   state_sharding: TrainState | None = None,
+                   lora: lora_lib.LoraConfig | None = None):
+  """Jitted `(state, microbatches[, current_version][, base=]) -> (state, metrics)`; the
+  state is donated (with `lora`, `base` is the frozen base params, not donated).
 
   `microbatches` is a TrainBatch whose leaves carry a leading microbatch axis
   (`split_microbatches`). The token-mean denominator is the whole batch's loss-token count.
@@ -131,7 +156,7 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
   `mismatch_max_abs` to the tokens that version sampled (`mismatch_tokens` of them): in an
   async run older tokens differ by design (their behaviour is another policy).
   """
-  def step(state: TrainState, batches: TrainBatch, current_version):
+  def step(state: TrainState, batches: TrainBatch, current_version, base):
     denominator = jnp.maximum(jnp.sum(batches.loss_mask & (batches.seq_ids >= 0)), 1)
     if loss_cfg.aggregation != "token_mean":
       denominator = None  # sequence means per microbatch, summed (one microbatch = exact)
@@ -139,17 +164,28 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                                 cfg=cfg, numerics=numerics, loss_cfg=loss_cfg, replay=replay,
                                 sharding=sharding, temperature=temperature,
                                 denominator=denominator)
+    if lora is not None:
+      loss_fn = _on_merged(loss_fn, base, lora)
     return _apply(state, optimizer, loss_fn, batches)
 
   jitted = jax.jit(step, donate_argnums=(0,),
-                   in_shardings=None if state_sharding is None else (state_sharding, None, None),
+                   in_shardings=None if state_sharding is None else (state_sharding, None, None,
+                                                                     None),
                    out_shardings=None if state_sharding is None else (state_sharding, None))
 
-  def run(state: TrainState, batches: TrainBatch, current_version: int = -1):
-    return jitted(state, batches, np.int32(current_version))
+  def run(state: TrainState, batches: TrainBatch, current_version: int = -1, *,
+          base: Any = None):
+    if (base is None) != (lora is None):
+      raise ValueError("a LoRA step takes the frozen base params (base=...), and only it")
+    return jitted(state, batches, np.int32(current_version), base)
 
   run.jitted = jitted  # for ahead-of-time lowering (experiments/aot_check.py)
   return run
+
+
+def _on_merged(loss_fn, base, lora):
+  """loss_fn of the adapters: the base with them merged in (the engine's weights)."""
+  return lambda adapters, mb: loss_fn(lora_lib.merge(base, adapters, lora), mb)
 
 
 def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
