@@ -14,6 +14,7 @@ import pytest
 
 from rljax import sharding as sharding_lib
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.envs import ArithmeticEnv, Verdict
 from rljax.model import ModelConfig, forward, init_params
 from rljax.model.lora import (DEFAULT_TARGETS, LoraConfig, adapter_axes, init_adapters,
                               merge)
@@ -192,3 +193,58 @@ def test_a_lora_grpo_step_trains_only_the_adapters_and_stays_on_policy_bitwise(t
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, base), base_before)
   with pytest.raises(ValueError, match="frozen base"):
     step(state, batch, 2)
+
+
+class _ParityArithmetic(ArithmeticEnv):
+  """arith_tiny's prompts scored by the completion's length parity: rewards differ within
+  a group whatever the policy, so a two-step run from a random start has gradients."""
+
+  def verify(self, task, completion_ids):
+    return Verdict.success() if len(completion_ids) % 2 else Verdict.model_failure("even")
+
+
+def parity_arithmetic(**kwargs):
+  return _ParityArithmetic(**kwargs)
+
+
+def test_a_lockstep_lora_run_trains_adapters_on_its_frozen_base_with_zero_mismatch(tmp_path):
+  # config.lora in the lockstep loop: GRPO trains rank-4 adapters on the frozen base in
+  # deterministic numerics, every sampled token's trainer log-prob its behaviour log-prob
+  # (0.0) on every step; final_params is the merged policy (adapted weights moved, the
+  # rest the base's bf16 bits); the async trainer refuses the block
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from rljax.model import abstract_params, init_sharded  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import ASYNC_TRAINER, ConfigError, build  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.numerics = "deterministic"
+  config.env.name = "tests.test_lora:parity_arithmetic"
+  config.lora = ml_collections.ConfigDict(dict(rank=4, alpha=8.0, targets=DEFAULT_TARGETS))
+  config.sft.steps = 0
+  config.rl.update(dict(steps=2, prompts_per_step=4, group_size=4, learning_rate=1e-2,
+                        num_tasks=64))
+  config.eval.update(dict(num_tasks=4, n=2, k=2, every=0))
+  config.engine.num_slots = 16
+  config.log.tensorboard = False
+  summary = lockstep.run_experiment(config, str(tmp_path / "run"))
+  assert summary["steps"] == 2 and summary["mismatch_max_abs"] == 0.0, summary
+  grpo = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r["phase"] == "grpo"]
+  assert len(grpo) == 2 and all(r["mismatch_tokens"] > 0 for r in grpo)
+  assert all(r["mismatch_max_abs"] == 0.0 and not r["skipped"] for r in grpo)
+  cfg = build(config, ("model", "mesh"), devices=False).cfg
+  init = init_sharded(cfg, config.seed, None, dtype=jnp.float32)
+  with Checkpointer(summary["final_params"], keep_last=1) as ckpt:
+    final = ckpt.restore({"params": abstract_params(cfg, jnp.float32)}).state["params"]
+  as_base = lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+  gate = final["layers"]["moe"]["moe"]["gate"]
+  assert np.any(np.asarray(gate) != as_base(init["layers"]["moe"]["moe"]["gate"]))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, final["embed"]),
+                              jax.tree.map(as_base, init["embed"]))
+  with pytest.raises(ConfigError, match="async trainer does not train adapters"):
+    build(config, ASYNC_TRAINER, devices=False)
+  config.lora.rank = 0
+  with pytest.raises(ConfigError, match="config.lora: lora rank must be"):
+    build(config, ("model", "mesh", "rl"), devices=False)

@@ -34,6 +34,7 @@ from rljax.checkpoint import Checkpointer
 from rljax.engine.engine import DecodeEngine
 from rljax.envs.base import Env, Task
 from rljax.model import count_params, init_sharded, param_shardings
+from rljax.model import lora as lora_lib
 from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, sampled_key, success_rate
@@ -84,6 +85,8 @@ class Run:
   serve: Callable[[learner.TrainState], Any]
   log: MetricsLogger | NullLogger
   version: int = 0
+  # config.lora, once GRPO trains adapters: the frozen base (state = the adapters')
+  base: Any = None
   # over the tokens sampled by the version each update trained (see the module docstring)
   mismatch: RunningMax = dataclasses.field(default_factory=RunningMax)
   # held-out pass@1 from the warm start on
@@ -215,8 +218,13 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
 
 
 def save_params(run: Run, directory: str) -> None:
+  """run.state's params (a LoRA run's GRPO state: the base with its adapters merged, as
+  f32), the tree `load_params` and `experiments/export_hf.py --params` read."""
+  params = run.state.params
+  if run.base is not None:
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), run.serve(run.state))
   with Checkpointer(directory, keep_last=1, async_save=False) as ckpt:
-    ckpt.save(0, {"params": run.state.params}, stream_version=None)
+    ckpt.save(0, {"params": params}, stream_version=None)
 
 
 def load_params(run: Run, directory: str) -> None:
@@ -261,16 +269,30 @@ class GrpoLearner:
 
 def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearner:
   """The optimizer, train state (fresh from run.state's params, or `state`: a restored
-  one) and jitted step of `rl`."""
+  one; `config.lora`: fresh adapters on run.state as the frozen base) and jitted step of
+  `rl`."""
   c = run.config.rl
   optimizer = run.built.rl_optimizer()
-  if state is None:
+  lora = run.built.lora
+  if lora is not None:
+    if state is not None:
+      raise ValueError("config.lora: a LoRA learner starts from fresh adapters (no resume)")
+    # the base: run.state's serving params, frozen from here on. Fresh adapters (B = 0)
+    # start the policy as the base, bit for bit; run.serve becomes the merge, so the
+    # engine, evaluations and the saved final params see the adapted policy.
+    base = run.base = run.serve(run.state)
+    state = learner.init_state(
+        lora_lib.init_adapters(run.cfg, lora, jax.random.key(run.config.seed)), optimizer)
+    run.serve = functools.partial(learner.serving_params, cfg=run.cfg, base=base, lora=lora)
+  elif state is None:
     state = learner.init_state(run.state.params, optimizer)
   state_sharding = None
   if run.sharding is not None:
-    state_sharding = learner.state_shardings(run.cfg, optimizer, run.sharding)
+    state_sharding = learner.state_shardings(run.cfg, optimizer, run.sharding, lora)
     state = jax.device_put(state, state_sharding)
   step_fn = run.built.grpo_step(optimizer, state_sharding)
+  if lora is not None:
+    step_fn = functools.partial(step_fn, base=base)
   advantages = jax.jit(lambda rewards, group_ids, valid: group_advantages(
       rewards, group_ids, valid, kind=c.advantage, num_groups=c.prompts_per_step))
   return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding)

@@ -43,6 +43,7 @@ from rljax import sharding as sharding_lib
 from rljax.engine.engine import DecodeEngine, SamplingParams, WeightUpdatePolicy, check_slots
 from rljax.envs.base import Env
 from rljax.model import ModelConfig
+from rljax.model import lora as lora_lib
 from rljax.model.hf_import import config_from_hf
 from rljax.model.packing import aligned_length
 from rljax.numerics import Numerics
@@ -72,6 +73,7 @@ BLOCKS: dict[str, tuple[str, ...]] = {
     "train": ("row_len",),
     "eval": ("num_tasks", "k", "n", "temperature", "seed", "every"),
     "log": ("tensorboard",),
+    "lora": ("rank", "alpha", "targets"),  # optional: GRPO trains adapters on a frozen base
     "async_rl": ("hosts", "host_groups", "max_staleness", "lease_s", "lease_ttl_s", "poll_s",
                  "keyframe_every", "checkpoint_every", "check_versions_groups",
                  "weight_update", "batch_timeout_s"),
@@ -104,6 +106,19 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
     missing = [k for k in BLOCKS[block] if k not in config[block]]
     if missing:
       raise ConfigError(f"config.{block} is missing {missing}")
+  if "lora" in config:
+    if not isinstance(config.lora, ml_collections.ConfigDict):
+      raise ConfigError("config.lora must be a block (rank, alpha, targets)")
+    missing = [k for k in BLOCKS["lora"] if k not in config.lora]
+    if missing:
+      raise ConfigError(f"config.lora is missing {missing}")
+    try:
+      lora_lib.LoraConfig.from_dict(config.lora.to_dict())
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config.lora: {e}") from None
+    if "async_rl" in needs:
+      raise ConfigError("config.lora: the async trainer does not train adapters yet (its "
+                        "checkpoints hold no frozen base); run LoRA with experiments/grpo.py")
   if "mesh" in needs:
     check_mesh_axes(config.mesh, "config.mesh")
   if "engine" in needs and "mesh" in config.engine:
@@ -347,6 +362,13 @@ class Built:
   sampling: SamplingParams | None  # the rollouts' (rl block)
   loss: LossConfig | None
 
+  @property
+  def lora(self) -> lora_lib.LoraConfig | None:
+    """`config.lora` (validated by `build`), or None: full fine-tuning."""
+    if "lora" not in self.config:
+      return None
+    return lora_lib.LoraConfig.from_dict(self.config.lora.to_dict())
+
   def make_engine(self, params: Any, *, version: int = 0, weight_update: str = "keep",
                   sharding: sharding_lib.Sharding | None = None) -> DecodeEngine:
     e = self.config.engine
@@ -401,7 +423,7 @@ class Built:
                                   loss_cfg=self.loss, replay=c.router_replay,
                                   temperature=c.temperature,
                                   sharding=sharding or self.sharding,
-                                  state_sharding=state_sharding)
+                                  state_sharding=state_sharding, lora=self.lora)
 
 
 def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
