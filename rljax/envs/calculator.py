@@ -85,9 +85,16 @@ class CalculatorEnv(BaseEnv):
       return StepResult(None, True)
     text = self._decode(action)
     if text is None or CALL_OPEN not in text or not text.endswith(CALL_CLOSE):
-      return StepResult(self.tokenizer.encode(f"{OBS_OPEN}error{OBS_CLOSE}"), False,
-                        info={"tool_calls": 1, "tool_errors": 1})
-    call = text[text.rindex(CALL_OPEN) + len(CALL_OPEN):-len(CALL_CLOSE)]
+      return self._malformed_call()
+    return self._answer_call(text[text.rindex(CALL_OPEN) + len(CALL_OPEN):-len(CALL_CLOSE)])
+
+  def _malformed_call(self) -> StepResult:
+    """The observation of an action that ends the turn with a call it never opened."""
+    return StepResult(self.tokenizer.encode(f"{OBS_OPEN}error{OBS_CLOSE}"), False,
+                      info={"tool_calls": 1, "tool_errors": 1})
+
+  def _answer_call(self, call: str) -> StepResult:
+    """The tool's answer to one call (the text between the markers)."""
     value = tool_result(call)
     return StepResult(self.tokenizer.encode(f"{OBS_OPEN}{value}{OBS_CLOSE}"), False,
                       info={"tool_calls": 1, "tool_errors": int(value == "error")})

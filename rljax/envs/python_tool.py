@@ -161,17 +161,13 @@ class PythonToolEnv(CalculatorEnv):
 
   # ------------------------------------------------------------------------- the env
 
-  def step(self, task: Task, history_ids: np.ndarray, action_ids: np.ndarray) -> StepResult:
-    self.latency.sleep()
-    action = np.asarray(action_ids).reshape(-1)
-    turn = int(np.sum(np.asarray(history_ids) == self.obs_close_id)) + 1
-    if not len(action) or action[-1] != self.call_close_id or turn >= self.max_turns:
-      return StepResult(None, True)
-    text = self._decode(action)
-    if text is None or CALL_OPEN not in text:
-      return StepResult(self._observation_ids("error: call not opened"), False,
-                        info={"tool_calls": 1, "tool_errors": 1})
-    code = text[text.rindex(CALL_OPEN) + len(CALL_OPEN):-len(CALL_CLOSE)]
+  # `step` is CalculatorEnv's (the turn protocol); a call's answer runs the program
+
+  def _malformed_call(self) -> StepResult:
+    return StepResult(self._observation_ids("error: call not opened"), False,
+                      info={"tool_calls": 1, "tool_errors": 1})
+
+  def _answer_call(self, code: str) -> StepResult:
     result = self.run(code)
     if result.infra_error is not None:  # the sandbox failed, not the program
       return StepResult(None, True, error=f"sandbox: {result.infra_error}",
