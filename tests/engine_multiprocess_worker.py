@@ -6,7 +6,7 @@ fsdp 4 x expert 2 over all 8 devices, `Built.trainer_engine_sharding()`: the dec
 from serving params as the trainer holds them (bf16 global arrays by the training rules),
 submit the same requests and step in lockstep: 4 sampled groups of 4 sharing their
 prompt's pages and a greedy pair, new weights (a second trainer-layout tree) in
-flight after two steps. Process 0 then serves the same on a
+flight after two steps. Each process then serves the same on a
 1-device engine of the same `Built` with the params gathered to host.
 
 Prints one JSON object: each finished sample's records (token ids, log-prob bits, versions,
@@ -31,6 +31,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from configs import arith_tiny  # noqa: E402
 from rljax import distributed  # noqa: E402
@@ -135,14 +136,16 @@ def main():
         f"{dict(engine.trace_counts)}", file=sys.stderr)
 
   host = [distributed.gather(p) for p in (p0, p1)]  # a collective: both processes
-  # Both processes compute the 1-device reference (process 0 reports it): had only
-  # process 0, process 1 would wait for it in JAX's shutdown barrier, whose 300 s a slow
-  # loaded machine exceeded ("Shutdown barrier has failed" in CI).
+  # Both processes compute the 1-device reference (process 0 reports it), so that neither
+  # waits long for the other in JAX's shutdown barrier (300 s).
   t0 = time.perf_counter()
   reference = serve(built.make_engine(host[0]), reqs, host[1])
   print(f"1-device engine {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   if distributed.is_primary():
     out["reference"] = reference
+  # meet before exiting: the one ahead would otherwise wait in JAX's shutdown barrier,
+  # which fails after 300 s, and a loaded CI machine has let one process lag that long
+  multihost_utils.sync_global_devices("engine_multiprocess_worker done")
   print(json.dumps(out))
 
 

@@ -19,8 +19,6 @@ This file is also the worker: `python tests/test_batch_parts.py PORT PROCESS_ID 
 
 import json
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -35,23 +33,11 @@ S = PROMPTS * GROUP
 
 @pytest.mark.multidevice
 def test_each_process_feeds_its_part_and_the_update_is_the_whole_batchs(tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, str(HERE), str(port), str(i),
-                             str(tmp_path / f"process{i}")], cwd=str(REPO),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  results = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=600)
-      assert p.returncode == 0, err[-4000:]
-      results.append(json.loads(out.strip().splitlines()[-1]))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  from tests.process_group import free_port, run_together  # here: the script has no tests/
+  port = free_port()
+  results = run_together([[sys.executable, str(HERE), str(port), str(i),
+                            str(tmp_path / f"process{i}")] for i in range(2)],
+                          600, tmp_path / "logs", cwd=str(REPO))
   for i, r in enumerate(results):
     assert r["part"] == [i, 2]
     assert r["local_rows"] * 2 == r["global_rows"]  # fed only its half of every microbatch

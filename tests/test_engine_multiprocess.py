@@ -1,47 +1,29 @@
 """The decode engine SPMD over two jax.distributed processes (4 simulated CPU devices each,
 one 8-device mesh: the trainer's config.mesh fsdp 4 x expert 2 with the decode rules).
 
-Both processes run `engine_multiprocess_worker.py` in lockstep; process 0 also serves the
-same requests on a 1-device engine."""
+Both processes run `engine_multiprocess_worker.py` in lockstep, then each serves the same
+requests on a 1-device engine (process 0 reports it)."""
 
-import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import chex
 import numpy as np
 import pytest
 
+from tests.process_group import free_port, run_together
+
 WORKER = pathlib.Path(__file__).parent / "engine_multiprocess_worker.py"
 TIMEOUT = 600
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results():
-  port = _free_port()
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ)) for i in range(2)]
-  out = []
-  try:
-    for proc in procs:
-      stdout, stderr = proc.communicate(timeout=TIMEOUT)
-      assert proc.returncode == 0, stderr[-4000:]
-      out.append(json.loads(stdout.strip().splitlines()[-1]))
-  finally:  # one failed: the other would wait for it in a collective
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  return out
+def results(tmp_path_factory):
+  port = free_port()
+  return run_together([[sys.executable, str(WORKER), str(port), str(i)] for i in range(2)],
+                      TIMEOUT, tmp_path_factory.mktemp("engine_multiprocess"),
+                      env=dict(os.environ))
 
 
 def _arrays(records: dict) -> dict:

@@ -1,0 +1,67 @@
+"""Runs the processes of one jax.distributed job to the end and returns each one's last
+stdout line as JSON.
+
+Each process writes stdout and stderr to its own file, never to a pipe: a pipe is read
+only when the test waits on that process, so while the test waited on process 0, process 1
+could fill its 64 KiB stderr pipe with XLA's warnings and block there, never reaching
+JAX's shutdown barrier, which then failed in process 0 after 300 s ("Shutdown barrier has
+failed" on a loaded CI machine)."""
+
+import json
+import pathlib
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_together(commands: list[list[str]], timeout_s: float, logs: pathlib.Path | None = None,
+                 **popen_kwargs) -> list[dict]:
+  """Starts every command at once, waits for all (one deadline for the group), and returns
+  the JSON object each printed last. A process that fails or outlives the deadline fails
+  the call with every process's stderr tail; the others are then killed, since they would wait for it
+  in a collective. Logs go to `logs` (a fresh temporary folder if None)."""
+  logs = pathlib.Path(logs or tempfile.mkdtemp(prefix="process_group_"))
+  logs.mkdir(parents=True, exist_ok=True)
+  procs, files = [], []
+  try:
+    for i, command in enumerate(commands):
+      out = open(logs / f"process{i}.out", "w+", encoding="utf-8")
+      err = open(logs / f"process{i}.err", "w+", encoding="utf-8")
+      files.append((out, err))
+      procs.append(subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                    **popen_kwargs))
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+      failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if failed or time.monotonic() > deadline:
+        i = failed[0] if failed else next(i for i, p in enumerate(procs) if p.poll() is None)
+        why = f"exited {procs[i].returncode}" if failed else f"still running after {timeout_s} s"
+        raise AssertionError(f"process {i} {why}\n{_tails(logs, len(procs))}")
+      time.sleep(0.2)
+    results = []
+    for i, p in enumerate(procs):
+      assert p.returncode == 0, f"process {i} exited {p.returncode}\n{_tails(logs, len(procs))}"
+      results.append(json.loads((logs / f"process{i}.out").read_text().strip().splitlines()[-1]))
+    return results
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for out, err in files:
+      out.close()
+      err.close()
+
+
+def _tails(logs: pathlib.Path, count: int, chars: int = 3000) -> str:
+  """Every process's stderr tail: the one that failed may only report the other's death."""
+  return "\n".join(f"--- process {i} stderr:\n"
+                   + (logs / f"process{i}.err").read_text(errors="replace")[-chars:]
+                   for i in range(count))
