@@ -81,15 +81,22 @@ class Patch:
     raise ValueError("a 'set' patch cannot be inverted")
 
 
+def _top_bit(u) -> np.generic:
+  """The sign bit of u's unsigned type, as a scalar of that type: on a jax array a Python
+  int operand is parsed as int32, which 2**31 (the f32 sign bit) overflows."""
+  return u.dtype.type(1 << (8 * u.dtype.itemsize - 1))
+
+
 def ordered(u: np.ndarray) -> np.ndarray:
-  """IEEE bits -> unsigned ints in the order of the floats they encode (-0 next to +0)."""
-  top = 1 << (8 * u.dtype.itemsize - 1)
+  """IEEE bits -> unsigned ints in the order of the floats they encode (-0 next to +0).
+  numpy or jax arrays (the subscriber applies "add" patches on device)."""
+  top = _top_bit(u)
   return u ^ ((u >> (8 * u.dtype.itemsize - 1)) * (top - 1) | top).astype(u.dtype)
 
 
 def unordered(o: np.ndarray) -> np.ndarray:
   """Inverse of `ordered`."""
-  top = 1 << (8 * o.dtype.itemsize - 1)
+  top = _top_bit(o)
   return o ^ ((1 - (o >> (8 * o.dtype.itemsize - 1))) * (top - 1) | top).astype(o.dtype)
 
 
