@@ -30,7 +30,24 @@ Per codec (every delta codec in rljax.sync.codecs), over the steady-state steps:
                               bit for bit by chaining all steps' deltas from the first
   catch_up                    deltas spanning 2, 5 and 10 versions
 `stream_e2e` runs the real Publisher -> memory store -> Subscriber (device arrays donated,
-jitted scatter) with the default codec. Last line: one JSON object.
+jitted scatter) with the default codec.
+
+LoRA (`--workload=lora`, or with `markov`/`both` when `--lora_ranks` is not empty): the
+markov workload's RL phase again, from the same pretrained policy on the same batches,
+training rank-r adapters (rljax.model.lora's default targets: attention q/k/v/o and every
+expert's gate/up/down; alpha = 2r) on its frozen bf16 cast with the same optimizer, at each
+`--lora_learning_rates`. Each step's adapters (f32 masters: what the async trainer
+publishes with config.lora, rljax/pipeline/adapter_stream.py) go through the real
+Publisher, beside the full model's bf16 versions:
+  full_model.bytes_per_version      the full-model stream's delta per version (default codec)
+  rank_R.lr_L.bytes_per_version     the adapter stream's delta per version (its codec)
+  rank_R.lr_L.codecs                mean delta bytes per version under every delta codec
+  rank_R.base_bytes_once            the base's one keyframe (bf16, raw)
+  ..._vs_full_model_delta           adapter bytes / full-model delta bytes per version
+  ...merged_model_bytes_per_version  the same LoRA run's merged bf16 model, delta-coded as
+                                    a full-model stream would carry it (default codec)
+Only bytes: nothing is timed (`--workload=lora` runs on a busy machine). Last line: one
+JSON object.
 """
 
 import json
@@ -47,7 +64,9 @@ import zstandard
 
 from experiments import machine_info
 from rljax.model import ModelConfig, count_params, forward, init_params
+from rljax.model import lora as lora_lib
 from rljax.numerics import Numerics
+from rljax.pipeline import adapter_stream
 from rljax.sync import Publisher, Store, Subscriber, codecs
 from rljax.sync import manifest as fmt
 
@@ -55,8 +74,15 @@ _PRETRAIN = flags.DEFINE_integer("pretrain_steps", 100, "supervised steps before
 _RL_STEPS = flags.DEFINE_integer("rl_steps", 60, "RL steps (the last one is measured)")
 _FROM = flags.DEFINE_integer("measure_from", 40, "first RL step of the steady state")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timing repeats per step (min taken)")
-_WORKLOAD = flags.DEFINE_enum("workload", "both", ["markov", "grpo", "both"],
-                              "markov: AdamW on a synthetic PG loss; grpo: arith_tiny GRPO")
+_WORKLOAD = flags.DEFINE_enum("workload", "both", ["markov", "grpo", "both", "lora"],
+                              "markov: AdamW on a synthetic PG loss; grpo: arith_tiny GRPO; "
+                              "lora: markov's stream bytes per version, full model vs LoRA "
+                              "adapters (no timings)")
+_LORA_RANKS = flags.DEFINE_list("lora_ranks", ["16"], "LoRA ranks whose adapter stream is "
+                                "measured on the markov workload (empty: none)")
+_LORA_LRS = flags.DEFINE_list("lora_learning_rates", ["1e-6", "1e-4"],
+                              "AdamW learning rates of the LoRA RL phases (1e-6: the full "
+                              "model's)")
 _GRPO_SFT = flags.DEFINE_integer("grpo_sft_steps", 300, "SFT warm-start steps before GRPO")
 
 CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4,
@@ -108,8 +134,19 @@ def _bf16_bits(params):
           for p, x in fmt.flatten(params).items()}
 
 
-def rl_snapshots():
-  """{rl_step: {tensor: bf16 bits [n]}} for the steady-state steps, and workload facts."""
+def _rl_optimizer(learning_rate: float) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(learning_rate, weight_decay=0.01))
+
+
+def _advantages(toks: np.ndarray) -> np.ndarray:
+  reward = (toks[:, 1:] < DATA_VOCAB // 2).mean(axis=1)
+  return ((reward - reward.mean()) / (reward.std() + 1e-6)).astype(np.float32)
+
+
+def pretrained():
+  """The pretrained policy (f32), the RL phase's batches (the same for every RL phase) and
+  the workload's facts."""
   rng = np.random.default_rng(0)
   batches = _markov_batches(rng)
   params = init_params(CFG, jax.random.key(0), "float32")
@@ -121,21 +158,62 @@ def rl_snapshots():
     params, opt_state, loss = step(params, opt_state, next(batches), np.ones(BATCH, np.float32))
     losses.append(loss)
   losses = [float(x) for x in losses]
-  rl = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6, weight_decay=0.01))
-  step, opt_state = _train_step(rl), rl.init(params)  # a fresh Adam at RL start
-  snaps = {}
-  for i in range(1, _RL_STEPS.value + 1):
-    toks = next(batches)
-    reward = (toks[:, 1:] < DATA_VOCAB // 2).mean(axis=1)
-    adv = ((reward - reward.mean()) / (reward.std() + 1e-6)).astype(np.float32)
-    params, opt_state, _ = step(params, opt_state, toks, adv)
-    if i >= _FROM.value:
-      snaps[i] = _bf16_bits(params)
+  rl_batches = [next(batches) for _ in range(_RL_STEPS.value)]
   facts = {"params": count_params(params), "pretrain_steps": _PRETRAIN.value,
            "pretrain_loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
            "rl_steps": _RL_STEPS.value, "measured_rl_steps": [_FROM.value + 1, _RL_STEPS.value],
-           "train_seconds": round(time.perf_counter() - t0, 1)}
+           "pretrain_seconds": round(time.perf_counter() - t0, 1)}
+  return params, rl_batches, facts
+
+
+def rl_snapshots(params, rl_batches, facts):
+  """{rl_step: {tensor: bf16 bits [n]}} of the full model for the steady-state steps."""
+  rl = _rl_optimizer(1e-6)
+  step, opt_state = _train_step(rl), rl.init(params)  # a fresh Adam at RL start
+  t0 = time.perf_counter()
+  snaps = {}
+  for i, toks in enumerate(rl_batches, 1):
+    params, opt_state, _ = step(params, opt_state, toks, _advantages(toks))
+    if i >= _FROM.value:
+      snaps[i] = _bf16_bits(params)
+  facts = facts | {"rl_seconds": round(time.perf_counter() - t0, 1)}
   return snaps, facts
+
+
+def lora_snapshots(params, rl_batches, lora, learning_rate):
+  """{rl_step: {tensor: f32 bits [n]}} of the adapters (the f32 masters the async trainer
+  publishes) for the steady-state steps: the RL phase on the frozen bf16 base; and
+  {rl_step: {tensor: bf16 bits}} of the merged model (what a full-model stream of the same
+  LoRA run would carry)."""
+  base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  positions = jnp.tile(jnp.arange(SEQ, dtype=jnp.int32), (BATCH, 1))
+  segments = jnp.ones((BATCH, SEQ), jnp.int32)
+
+  def loss_fn(adapters, toks, advantages):
+    logprobs = forward(lora_lib.merge(base, adapters, lora), toks[:, :-1], positions, cfg=CFG,
+                       numerics=Numerics("fast"), segment_ids=segments,
+                       targets=toks[:, 1:]).logprobs
+    return -jnp.mean(advantages[:, None] * logprobs)
+
+  optimizer = _rl_optimizer(learning_rate)
+
+  @jax.jit
+  def step(adapters, opt_state, toks, advantages):
+    grads = jax.grad(loss_fn)(adapters, toks, advantages)
+    updates, opt_state = optimizer.update(grads, opt_state, adapters)
+    return optax.apply_updates(adapters, updates), opt_state
+
+  merge = jax.jit(lambda adapters: lora_lib.merge(base, adapters, lora))
+  adapters = lora_lib.init_adapters(CFG, lora, jax.random.key(1))
+  opt_state = optimizer.init(adapters)
+  snaps, merged = {}, {}
+  for i, toks in enumerate(rl_batches, 1):
+    adapters, opt_state = step(adapters, opt_state, toks, _advantages(toks))
+    if i >= _FROM.value:
+      snaps[i] = {p: np.asarray(x).view(np.uint32).reshape(-1)
+                  for p, x in fmt.flatten(adapters).items()}
+      merged[i] = _bf16_bits(merge(adapters))
+  return snaps, merged, count_params(adapters)
 
 
 def grpo_snapshots(learning_rates=(None, 1e-6)):
@@ -289,6 +367,70 @@ def stream_e2e(snaps, full_bytes):
           "bitwise_equal": bool(equal), "errors": sub.stats.errors}
 
 
+def _shapes(tree):
+  return {p: tuple(x.shape) for p, x in fmt.flatten(tree).items()}
+
+
+def published_bytes(snaps, shapes, dtype, delta_codec):
+  """Each steady-state step through the real Publisher (memory store, no keyframe after
+  the first): (mean delta bytes per version, the first version's keyframe bytes)."""
+  pub = Publisher(Store.open("memory://"), keyframe_every=10**6, dtype=dtype,
+                  delta_codec=delta_codec)
+  sizes, keyframe = [], None
+  for t in sorted(snaps):
+    params = fmt.unflatten({p: b.view(dtype).reshape(shapes[p]) for p, b in snaps[t].items()})
+    m = pub.publish(params, t)
+    if keyframe is None:
+      keyframe = m.bytes_written
+    else:
+      sizes.append(m.delta_bytes)
+  return int(statistics.mean(sizes)), keyframe
+
+
+def codec_bytes(snaps):
+  """Mean delta bytes per steady-state step under every delta codec (no timing)."""
+  steps = sorted(snaps)[1:]
+  return {name: int(statistics.mean(
+      sum(len(o[0]) for o in _encode_version(codecs.get(name), snaps[t], snaps[t - 1]).values())
+      for t in steps)) for name in codecs.names() if not codecs.get(name).keyframe}
+
+
+def measure_lora(params, rl_batches, facts, full_snaps):
+  """The adapter stream's bytes per version beside the full model's, per rank and rate."""
+  full_bytes = 2 * sum(x.size for x in full_snaps[min(full_snaps)].values())
+  full_delta, _ = published_bytes(full_snaps, _shapes(params), ml_dtypes.bfloat16,
+                                  codecs.DEFAULT_DELTA)
+  out = {"workload": facts | {"lora_targets": list(lora_lib.DEFAULT_TARGETS),
+                              "lora_alpha": "2 x rank", "adapter_stream_dtype": "float32",
+                              "adapter_delta_codec": adapter_stream.ADAPTER_DELTA_CODEC},
+         "full_model": {"params": facts["params"], "bf16_bytes": full_bytes,
+                        "codec": codecs.DEFAULT_DELTA, "bytes_per_version": full_delta,
+                        "codecs": codec_bytes(full_snaps)}}
+  for rank in map(int, _LORA_RANKS.value):
+    lora = lora_lib.LoraConfig(rank=rank, alpha=2.0 * rank)
+    entry = {}
+    for lr in map(float, _LORA_LRS.value):
+      snaps, merged, n_adapter = lora_snapshots(params, rl_batches, lora, lr)
+      merged_delta, _ = published_bytes(merged, _shapes(params), ml_dtypes.bfloat16,
+                                        codecs.DEFAULT_DELTA)
+      shapes = _shapes(jax.eval_shape(lambda: lora_lib.init_adapters(  # noqa: B023
+          CFG, lora, jax.random.key(1))))
+      per_version, keyframe = published_bytes(snaps, shapes, np.float32,
+                                              adapter_stream.ADAPTER_DELTA_CODEC)
+      entry |= {"adapter_params": n_adapter, "adapter_f32_bytes": 4 * n_adapter,
+                "adapter_f32_frac_of_model_bf16": round(4 * n_adapter / full_bytes, 4),
+                "base_bytes_once": full_bytes}
+      entry[f"lr_{lr:g}"] = {
+          "bytes_per_version": per_version, "keyframe_bytes": keyframe,
+          "frac_of_model_bf16": round(per_version / full_bytes, 4),
+          "ratio_vs_full_model_delta": round(per_version / full_delta, 2),
+          "merged_model_bytes_per_version": merged_delta,
+          "codecs": codec_bytes(snaps)}
+      print(f"lora rank {rank} lr {lr:g}", json.dumps(entry[f"lr_{lr:g}"]), flush=True)
+    out[f"rank_{rank}"] = entry
+  return out
+
+
 def measure_window(snaps, params_count):
   """One entry per delta codec over consecutive snapshots {rl_step: bits}; full bytes."""
   first = snaps[min(snaps)]
@@ -317,13 +459,17 @@ def _goals(entry):
 
 def main(_):
   out = {"bench": "delta", "default_codec": codecs.DEFAULT_DELTA}
-  if _WORKLOAD.value in ("markov", "both"):
-    snaps, facts = rl_snapshots()
-    results, full_bytes = measure_window(snaps, facts["params"])
-    e2e = stream_e2e(snaps, full_bytes)
-    print("stream_e2e", json.dumps(e2e), flush=True)
-    out.update(workload=facts, codecs=results,
-               goals=_goals(results[codecs.DEFAULT_DELTA]), stream_e2e=e2e)
+  if _WORKLOAD.value in ("markov", "both", "lora"):
+    params, rl_batches, facts = pretrained()
+    snaps, facts = rl_snapshots(params, rl_batches, facts)
+    if _WORKLOAD.value != "lora":  # timed: run it on an otherwise idle machine
+      results, full_bytes = measure_window(snaps, facts["params"])
+      e2e = stream_e2e(snaps, full_bytes)
+      print("stream_e2e", json.dumps(e2e), flush=True)
+      out.update(workload=facts, codecs=results,
+                 goals=_goals(results[codecs.DEFAULT_DELTA]), stream_e2e=e2e)
+    if _LORA_RANKS.value:
+      out["lora"] = measure_lora(params, rl_batches, facts, snaps)
   if _WORKLOAD.value in ("grpo", "both"):
     out["grpo"] = {}
     for lr, (snaps, facts) in grpo_snapshots().items():

@@ -6,12 +6,23 @@
       --checkpoint=<root>/trainer/checkpoints --out=/tmp/arith_hf   # an async run's state
 
 `--params`: a params checkpoint (the lockstep loop's `final_params`, an `sft_checkpoint`);
-`--checkpoint`: the async trainer's train-state checkpoints (the latest step, or `--step`).
+`--checkpoint`: the async trainer's train-state checkpoints (the latest step, or `--step`;
+with config.lora, the adapters merged into the frozen base saved beside them).
 The weights are written as `--dtype` (default the config's `model.param_dtype`: the serving
 params). The tokenizer: `--tokenizer_dir`'s files, else the config's (`tokenizer.kind="hf"`:
 its directory, `init_from`'s when `tokenizer.path` is ""), else the char tokenizer in HF form.
 `transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result. Last line: one
 JSON object.
+
+`--peft` (config.lora, `--checkpoint`): the checkpoint's adapters as a PEFT adapter
+instead (adapter_model.safetensors + adapter_config.json, rljax.model.lora_export) for
+`peft.PeftModel.from_pretrained(base, out)`, `--dtype` default their f32. The base is the
+run's frozen one: `init_from`'s checkpoint when no SFT warm start changed it (recorded as
+base_model_name_or_path), else `--params=<trainer dir>/lora_base` exported as above and
+named by `--base_model`.
+
+  python experiments/export_hf.py --config=configs/arith_tiny_lora.py --peft \
+      --checkpoint=<root>/trainer/checkpoints --base_model=/tmp/arith_base_hf --out=/tmp/lora
 """
 
 import json
@@ -26,7 +37,9 @@ from rljax import numerics
 from rljax.checkpoint import Checkpointer
 from rljax.model import abstract_params, count_params
 from rljax.model.hf_export import export_hf
-from rljax.pipeline.run import MODEL_ONLY, build, hf_tokenizer_dir, make_tokenizer
+from rljax.model.lora_export import export_peft
+from rljax.pipeline import adapter_stream
+from rljax.pipeline.run import MODEL_ONLY, build, hf_tokenizer_dir, init_from_hf, make_tokenizer
 from rljax.rl import learner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py",
@@ -38,6 +51,24 @@ _OUT = flags.DEFINE_string("out", None, "output directory (must not hold a check
                            required=True)
 _DTYPE = flags.DEFINE_string("dtype", None, "dtype of the exported weights")
 _TOKENIZER_DIR = flags.DEFINE_string("tokenizer_dir", None, "tokenizer files to copy")
+_PEFT = flags.DEFINE_bool("peft", False, "config.lora with --checkpoint: write the adapters "
+                          "as a PEFT adapter instead of the merged weights")
+_BASE_MODEL = flags.DEFINE_string("base_model", None, "--peft: the base HF checkpoint named in "
+                                  "adapter_config.json (default: init_from's, if no SFT)")
+
+
+def _base_model(config) -> str:
+  """adapter_config.json's base_model_name_or_path: --base_model, else init_from's
+  directory where the frozen base is its weights (the run had no SFT warm start)."""
+  if _BASE_MODEL.value is not None:
+    return _BASE_MODEL.value
+  sft = config.get("sft")
+  hf_dir = init_from_hf(config)
+  if hf_dir is None or (sft is not None and (sft.steps or sft.load)):
+    raise app.UsageError("--peft: the run's frozen base is not an HF checkpoint (an SFT warm "
+                         "start or a random init): export it with --params=<trainer dir>/"
+                         "lora_base and name that directory with --base_model")
+  return hf_dir
 
 
 def main(argv):
@@ -52,10 +83,24 @@ def main(argv):
   # the model; the rl block's optimizer for a train state (no env: no verifier processes)
   built = build(config, MODEL_ONLY + (("rl",) if _CHECKPOINT.value else ()), devices=False)
   cfg = built.cfg
+  if _PEFT.value:
+    if built.lora is None or _CHECKPOINT.value is None:
+      raise app.UsageError("--peft writes a config.lora run's adapters: give its config and "
+                           "--checkpoint (the trainer's checkpoints)")
+    base_model = _base_model(config)
+    adapters = adapter_stream.adapters_from_checkpoint(built, _CHECKPOINT.value, _STEP.value)
+    files = export_peft(adapters, cfg, built.lora, _OUT.value, dtype=_DTYPE.value,
+                        base_model_name_or_path=base_model)
+    print(json.dumps({"out": _OUT.value, "files": files, "base_model": base_model,
+                      "dtype": str(jnp.dtype(_DTYPE.value or jnp.float32)),
+                      "adapter_params": count_params(adapters)}))
+    return
   params_abstract = abstract_params(cfg, jnp.float32)
   if _PARAMS.value is not None:
     with Checkpointer(_PARAMS.value, keep_last=1) as ckpt:
       params = ckpt.restore({"params": params_abstract}, _STEP.value).state["params"]
+  elif built.lora is not None:  # an async LoRA run's adapters, merged into its base
+    params = adapter_stream.merged_from_checkpoint(built, _CHECKPOINT.value, _STEP.value)
   else:
     optimizer = built.rl_optimizer()
     target = learner.TrainState(params_abstract, jax.eval_shape(optimizer.init, params_abstract),

@@ -61,6 +61,7 @@ def tiny_params(tiny_cfg):
 HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519 s in all
     "test_pipeline.py", "test_engine.py", "test_multihost.py", "test_sharded.py",  # 592-320
     "test_notebooks.py", "test_learner.py", "test_async_pipeline.py",  # 228-213
+    "test_lora_stream.py",  # ~190 (its tests' first runs, load 3-4), 84 with a warm cache
     "test_model_invariance.py", "test_scan_layers.py", "test_rollout_host.py",  # 175-111
     "test_engine_sharded.py", "test_own_checkpoint_e2e.py", "test_learning.py",  # 110-91
     "test_python_tool_env.py", "test_openai_endpoint.py",  # ~150, ~100

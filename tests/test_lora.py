@@ -211,7 +211,7 @@ def test_a_lockstep_lora_run_trains_adapters_on_its_frozen_base_with_zero_mismat
   # config.lora in the lockstep loop: GRPO trains rank-4 adapters on the frozen base in
   # deterministic numerics, every sampled token's trainer log-prob its behaviour log-prob
   # (0.0) on every step; final_params is the merged policy (adapted weights moved, the
-  # rest the base's bf16 bits); the async trainer refuses the block
+  # rest the base's bf16 bits); the async trainer takes the block too (test_lora_stream.py)
   import ml_collections  # pylint: disable=import-outside-toplevel
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
   from rljax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
@@ -243,8 +243,8 @@ def test_a_lockstep_lora_run_trains_adapters_on_its_frozen_base_with_zero_mismat
   assert np.any(np.asarray(gate) != as_base(init["layers"]["moe"]["moe"]["gate"]))
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, final["embed"]),
                               jax.tree.map(as_base, init["embed"]))
-  with pytest.raises(ConfigError, match="async trainer does not train adapters"):
-    build(config, ASYNC_TRAINER, devices=False)
+  assert build(config, ASYNC_TRAINER, devices=False).lora == LoraConfig(
+      rank=4, alpha=8.0, targets=DEFAULT_TARGETS)
   config.lora.rank = 0
   with pytest.raises(ConfigError, match="config.lora: lora rank must be"):
     build(config, ("model", "mesh", "rl"), devices=False)

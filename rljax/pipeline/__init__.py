@@ -7,6 +7,7 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   rollout, evaluate        episodes on the engine; held-out pass@k
   endpoint                 an OpenAI-compatible HTTP endpoint on the engine, recording episodes
   run                      build(config): the one place a config becomes objects
+  adapter_stream           config.lora on the root: the base once, the adapters each version
   core                     what both loops share: Run, SFT, evaluation, one GRPO update
   fidelity                 re-scoring tokens with the version that sampled them
   lockstep                 the lockstep loop (rollout, then update, in one process)
@@ -15,4 +16,5 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
-          "endpoint", "run", "core", "fidelity", "lockstep", "host", "launch", "async_loop")
+          "endpoint", "run", "adapter_stream", "core", "fidelity", "lockstep", "host", "launch",
+          "async_loop")

@@ -24,6 +24,12 @@ a keyframe). The queue resumes from its own state (`QueueOwner.open`): no group 
 trained twice. Groups trained after the checkpoint lost their update with the dead
 trainer: their tasks go back into the queue as new groups.
 
+config.lora (rljax.pipeline.adapter_stream): GRPO trains adapters on a frozen base, and
+each version of the stream is the adapters' f32 masters, not a merged model; the base goes
+out once, as `<root>/base/`, and is saved once beside the checkpoints (`lora_base`), which
+hold the adapters' train state. Hosts merge with the trainer's own jitted merge. A resume
+restores both and checks the base against `base/`, bit for bit, before training on.
+
 Fidelity: `async_rl.check_versions_groups` groups of every batch are re-scored with the
 weights of the version that sampled each token (rljax.pipeline.fidelity): the summary's
 `own_version_mismatch_max_abs`, with the tokens it covers. The learner's `mismatch_max_abs`
@@ -68,7 +74,7 @@ import numpy as np
 
 from rljax import distributed
 from rljax.checkpoint import Checkpointer
-from rljax.pipeline import core, npz, wire
+from rljax.pipeline import adapter_stream, core, npz, wire
 from rljax.pipeline.fidelity import VersionCheck
 from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, publish_fingerprint,
                                    read_host_status, stream_url, trainer_dir)
@@ -185,6 +191,8 @@ class AsyncTrainer:
                                keep_versions=self.a.max_staleness + 2)
                   if self.a.check_versions_groups > 0 else None)
     self.owner: QueueOwner | None = None  # process 0's
+    # config.lora: the stream carries the adapters, the base goes out once (adapter_stream)
+    self.lora = built.lora
 
   # ---- start or resume -------------------------------------------------------------------
 
@@ -202,10 +210,12 @@ class AsyncTrainer:
       evals.append(self.evaluate(0, "init"))
       self.extra |= core.warm_start(run, f"{self.dir.rstrip('/')}/sft_checkpoint", progress)
       self.grpo = core.grpo_learner(run)
-      self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
+      self.publisher = self._stream_publisher()
       if self.publisher.version is not None:
         raise ValueError(f"{self.root} already holds a stream but {run.log.workdir} has no "
                          "checkpoint: use a fresh root, or the workdir that wrote it")
+      if self.lora is not None:  # saved beside the checkpoints, and out to the hosts once
+        adapter_stream.start_base(self.root, self.dir, run.base)
       self._publish()  # version 0
       if self.primary:
         self.owner = QueueOwner.open(self.store, self._queue_config(), prefix=QUEUE_PREFIX)
@@ -223,18 +233,41 @@ class AsyncTrainer:
     return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
                        lease_s=self.a.lease_s, lease_ttl_s=self.a.lease_ttl_s)
 
+  def _stream_publisher(self) -> Publisher:
+    """The weight stream's publisher: the serving params (bf16) each version, or with
+    config.lora the adapters' f32 masters (the bits the merge reads)."""
+    if self.lora is None:
+      return Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
+    return Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every,
+                     dtype=adapter_stream.ADAPTER_DTYPE,
+                     delta_codec=adapter_stream.ADAPTER_DELTA_CODEC)
+
+  def _stream_params(self) -> Any:
+    """What a version of the stream holds: run.state's adapters (config.lora), else its
+    serving params."""
+    run = self.run
+    return run.state.params if self.lora is not None else run.serve(run.state)
+
   def _resume(self) -> None:
     run = self.run
-    fresh = core.grpo_learner(run)
+    base = None
+    if self.lora is not None:  # the base it trained on, the very bits the hosts hold
+      base = adapter_stream.restore_base(self.dir, run.cfg, run.sharding)
+      adapter_stream.verify_base(self.root, base, self.dir)
+    elif adapter_stream.has_base(self.dir):
+      raise ValueError(f"{self.dir} holds a config.lora run's checkpoints (its frozen base "
+                       f"{adapter_stream.base_checkpoint_dir(self.dir)}): resume it with the "
+                       "config.lora block it ran with")
+    fresh = core.grpo_learner(run, base=base)
     restored = self.ckpt.restore({"state": fresh.state})
-    self.grpo = core.grpo_learner(run, state=restored.state["state"])
+    self.grpo = core.grpo_learner(run, state=restored.state["state"], base=base)
     run.state = self.grpo.state
     self.updates = restored.step
-    self.publisher = Publisher(stream_url(self.root), keyframe_every=self.a.keyframe_every)
-    served = run.serve(run.state)
-    self.publisher.resume(served, restored.stream_version)
+    self.publisher = self._stream_publisher()
+    # the restored state's bits must be those of the version its checkpoint recorded
+    self.publisher.resume(self._stream_params(), restored.stream_version)
     if self.check is not None:  # the checkpoint's version: groups hosts sampled with it
-      self.check.hold(restored.stream_version, served)
+      self.check.hold(restored.stream_version, run.serve(run.state))
     # versions the dead trainer published after its checkpoint are abandoned: the restored
     # params go out again as the newest version, so hosts are back on this lineage
     self._publish()
@@ -267,11 +300,12 @@ class AsyncTrainer:
     unless a dead trainer published past our checkpoint)."""
     newest = self.publisher.version
     self.run.version = 0 if newest is None else newest + 1
-    params = self.run.serve(self.run.state)  # read-only from here on: shared by both
-    self.publisher.publish(params, self.run.version)
+    published = self._stream_params()  # read-only from here on: shared with the check
+    self.publisher.publish(published, self.run.version)
     self.publish_times[self.run.version] = time.time()
     if self.check is not None:
-      self.check.hold(self.run.version, params)
+      served = published if self.lora is None else self.run.serve(self.run.state)
+      self.check.hold(self.run.version, served)
 
   def _top_up(self, tasks: Iterator) -> None:
     """Keeps enough groups submitted that hosts never wait on the trainer for work."""
@@ -442,6 +476,8 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
       "queue": trainer.owner.accounting(),
       # the last update's train state: experiments/export_hf.py --checkpoint=<this>
       "checkpoints": str(trainer.ckpt.directory)}
+  if trainer.lora is not None:  # the checkpoints' adapters train on this base
+    extra["lora_base"] = adapter_stream.base_checkpoint_dir(trainer.dir)
   if trainer.check is not None:
     extra |= trainer.check.summary()
   run.timings["train_s"] = totals["train_s"]

@@ -267,22 +267,30 @@ class GrpoLearner:
   state_sharding: learner.TrainState | None
 
 
-def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearner:
+def grpo_learner(run: Run, state: learner.TrainState | None = None, *,
+                 base: Any = None) -> GrpoLearner:
   """The optimizer, train state (fresh from run.state's params, or `state`: a restored
-  one; `config.lora`: fresh adapters on run.state as the frozen base) and jitted step of
-  `rl`."""
+  one) and jitted step of `rl`. `config.lora`: the state is the adapters' (fresh ones, or
+  the restored `state`) on a frozen base: `base` (the one a restored state trained on),
+  or run.state's serving params; run.state becomes the adapters' state."""
   c = run.config.rl
   optimizer = run.built.rl_optimizer()
   lora = run.built.lora
+  if lora is None and base is not None:
+    raise ValueError("a frozen base is for config.lora runs only")
   if lora is not None:
-    if state is not None:
-      raise ValueError("config.lora: a LoRA learner starts from fresh adapters (no resume)")
-    # the base: run.state's serving params, frozen from here on. Fresh adapters (B = 0)
-    # start the policy as the base, bit for bit; run.serve becomes the merge, so the
-    # engine, evaluations and the saved final params see the adapted policy.
-    base = run.base = run.serve(run.state)
-    state = learner.init_state(
-        lora_lib.init_adapters(run.cfg, lora, jax.random.key(run.config.seed)), optimizer)
+    if state is not None and base is None:
+      raise ValueError("config.lora: restored adapters need the frozen base they trained on "
+                       "(base=...)")
+    # the base: run.state's serving params unless given, frozen from here on. Fresh
+    # adapters (B = 0) start the policy as the base, bit for bit; run.serve becomes the
+    # merge, so the engine, evaluations and the saved final params see the adapted policy.
+    if base is None:
+      base = run.serve(run.state)
+    run.base = base
+    if state is None:
+      state = learner.init_state(
+          lora_lib.init_adapters(run.cfg, lora, jax.random.key(run.config.seed)), optimizer)
     run.serve = functools.partial(learner.serving_params, cfg=run.cfg, base=base, lora=lora)
   elif state is None:
     state = learner.init_state(run.state.params, optimizer)
@@ -290,6 +298,8 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None) -> GrpoLearn
   if run.sharding is not None:
     state_sharding = learner.state_shardings(run.cfg, optimizer, run.sharding, lora)
     state = jax.device_put(state, state_sharding)
+  if lora is not None:  # run.serve takes the adapters' state from here on
+    run.state = state
   step_fn = run.built.grpo_step(optimizer, state_sharding)
   if lora is not None:
     step_fn = functools.partial(step_fn, base=base)

@@ -25,8 +25,15 @@ Storage is read (a-c, done) at most once per `poll_s`, whatever the decode rate.
 
 Before it reads any weights the host waits for the trainer (saying so every
 `wait_report_s`): its config's fingerprint must be the trainer's (`layout.check_fingerprint`:
-model, numerics, tokenizer, env, sampling and seed; a host that differs refuses to start),
-then version 0 must appear.
+model, numerics, tokenizer, env, sampling, seed and LoRA; a host that differs refuses to
+start), then version 0 must appear.
+
+config.lora (rljax.pipeline.adapter_stream): the host first reads the frozen base from
+`<root>/base/` (once: it never changes), then follows the stream of adapters; whenever
+they move it hands the engine `learner.merged_params(base, adapters)`, the trainer's own
+jitted merge, so the engine serves the trainer's `run.serve(state)` bit for bit. It holds
+the base, the adapters and the engine's merged weights (two of them while a new version is
+merged and handed over).
 
 Status record: {host_id, incarnation, pid, applied: [[version, published_at, applied_at,
 apply_pause_s], ...] (last 50; published_at = the manifest's `created_unix`, or null),
@@ -50,12 +57,13 @@ import numpy as np
 import tensorstore as ts
 
 from rljax.model import param_shardings
-from rljax.pipeline import wire
-from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, check_fingerprint,
-                                   check_root, status_key, stream_url)
+from rljax.pipeline import adapter_stream, wire
+from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, base_url,
+                                   check_fingerprint, check_root, status_key, stream_url)
 from rljax.pipeline.rollout import EpisodeRunner, Group
 from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient
+from rljax.rl import learner
 from rljax.sync import manifest as fmt
 from rljax.sync.store import Store
 from rljax.sync.subscriber import Subscriber
@@ -93,9 +101,18 @@ class RolloutHost:
     # on a mesh (config.engine.mesh) keyframes land sharded and deltas patch each
     # device's block in place: no device ever holds the whole model
     self.sharding = built.engine_sharding()
+    params_sharding = (None if self.sharding is None
+                       else param_shardings(built.cfg, self.sharding))
+    self.lora = built.lora
+    self.base: Any = None  # config.lora: the frozen base, read once from base/
+    self.base_sub = None
+    stream_sharding = params_sharding
+    if self.lora is not None:
+      self.base_sub = Subscriber(Store.open(base_url(root), context=context),
+                                 shardings=params_sharding)
+      stream_sharding = adapter_stream.adapter_shardings(built.cfg, self.lora, self.sharding)
     self.sub = Subscriber(Store.open(stream_url(root), context=context),
-                          shardings=None if self.sharding is None
-                          else param_shardings(built.cfg, self.sharding))
+                          shardings=stream_sharding)
     self.env, self.cfg = built.env, built.cfg
     self.applied: collections.deque[list] = collections.deque(maxlen=_APPLIED_KEPT)
     self.counts = dict(groups_pushed=0, groups_discarded=0, generate_s=0.0, idle_s=0.0)
@@ -104,7 +121,7 @@ class RolloutHost:
     self._done = False
 
     version, pause = self._wait_for_first_version(first_version_timeout_s, wait_report_s)
-    self.engine = built.make_engine(self.sub.params, version=version,
+    self.engine = built.make_engine(self.serving_params(), version=version,
                                     weight_update=a.weight_update, sharding=self.sharding)
     self._held = self._arrays()
     self._record_applied(version, pause)
@@ -171,12 +188,19 @@ class RolloutHost:
     moved = self._poll()
     if moved is None and self._arrays_unchanged():
       return None
-    self.engine.update_weights(self.sub.params, self.sub.version)
+    self.engine.update_weights(self.serving_params(), self.sub.version)
     self._held = self._arrays()
     if moved is None:
       return None
     self._record_applied(moved, time.perf_counter() - t0)
     return moved
+
+  def serving_params(self) -> Any:
+    """The weights of the subscriber's version: its params, or with config.lora the base
+    with its adapters merged in (a fresh tree: the subscriber's arrays stay its own)."""
+    if self.lora is None:
+      return self.sub.params
+    return learner.merged_params(self.base, self.sub.params, self.lora)
 
   def _poll(self) -> int | None:
     """Subscriber.poll; a StreamError is recorded (the weights stay as they were)."""
@@ -205,8 +229,8 @@ class RolloutHost:
       return None
 
   def _wait_for_first_version(self, timeout_s: float, report_s: float) -> tuple[int, float]:
-    """Waits for the trainer's fingerprint (checked against this host's config), then for
-    a first version of the stream."""
+    """Waits for the trainer's fingerprint (checked against this host's config), then
+    (config.lora) for the frozen base, then for a first version of the stream."""
     start = time.monotonic()
     deadline, next_report = start + timeout_s, start + report_s
     checked = False
@@ -216,16 +240,20 @@ class RolloutHost:
       if not checked and self.store.read(FINGERPRINT_KEY) is not None:
         check_fingerprint(self.store, self.config)
         checked = True
-      if checked:
+      if checked and self.lora is not None and self.base is None:
+        self._read_base()
+      if checked and (self.lora is None or self.base is not None):
         t0 = time.perf_counter()
         version = self._poll()
         if version is not None:
           return version, time.perf_counter() - t0
       now = time.monotonic()
       if now >= deadline:
-        last = self.sub.stats.errors[-1:] or ["none"]
-        what = (f"weight-stream version under {stream_url(self.root)}" if checked else
-                f"trainer under {self.root} (no {FINGERPRINT_KEY})")
+        on_base = self.lora is not None and self.base is None
+        last = (self.base_sub if on_base else self.sub).stats.errors[-1:] or ["none"]
+        what = (f"trainer under {self.root} (no {FINGERPRINT_KEY})" if not checked else
+                f"frozen base under {base_url(self.root)}" if on_base else
+                f"weight-stream version under {stream_url(self.root)}")
         raise TimeoutError(f"no {what} after {timeout_s:.0f} s (last stream error: {last[0]})")
       if now >= next_report:
         logging.warning("host %s: waiting for the trainer's %s under %s (%.0f s of %.0f s)",
@@ -233,6 +261,20 @@ class RolloutHost:
                         now - start, timeout_s)
         next_report += report_s
       time.sleep(0.2)
+
+  def _read_base(self) -> None:
+    """config.lora: the frozen base, once it is in the store (version 0 of base/, checked
+    like every version); it never changes, so it is never polled again."""
+    try:
+      version = self.base_sub.poll()
+    except fmt.StreamError as e:
+      self.base_sub.stats.error(f"poll: {e}")
+      return
+    if version is not None:
+      if version != 0:
+        raise fmt.StreamError(f"{base_url(self.root)} holds version {version}: a frozen base "
+                              "is version 0 only (is this root a LoRA run's?)")
+      self.base = self.base_sub.params
 
   # ---- work ----
 

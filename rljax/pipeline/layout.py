@@ -1,6 +1,11 @@
 """The storage root of an async run: the only thing trainer and rollout hosts share.
 
-  <root>/stream/              the weight stream (rljax.sync Publisher / Subscriber)
+  <root>/stream/              the weight stream (rljax.sync Publisher / Subscriber): the
+                              policy's params each version, or with config.lora its
+                              adapters (f32)
+  <root>/base/                config.lora only: the frozen base params, one keyframe
+                              (version 0) published once before the stream's version 0
+                              (rljax.pipeline.adapter_stream)
   <root>/queue/               the work queue (rljax.pipeline.work_queue)
   <root>/run/done             written by the trainer when the run is over (any bytes)
   <root>/run/probe/<id>       a start-up probe (written, read back, deleted: `probe_root`)
@@ -34,6 +39,7 @@ PROBE_PREFIX = "run/probe/"
 HOSTS_PREFIX = "run/hosts/"
 QUEUE_PREFIX = "queue/"
 STREAM_DIR = "stream/"
+BASE_DIR = "base/"
 
 
 def check_root(root: str) -> str:
@@ -101,13 +107,20 @@ def stream_url(root: str) -> str:
   return f"{check_root(root).rstrip('/')}/{STREAM_DIR}"
 
 
+def base_url(root: str) -> str:
+  """The frozen base of a config.lora run under `root` (a stream of one version)."""
+  return f"{check_root(root).rstrip('/')}/{BASE_DIR}"
+
+
 # The config a rollout host must share with the trainer for its samples to be the trainer's
 # policy's: the model and its numerics, the tokens (tokenizer, env, sampling) and the seed
-# of the sampling keys. Model fields only the trainer uses are left out (the expert row
-# tile is not one: the engine's routed tiles have its shape, and their bits depend on it).
+# of the sampling keys; with config.lora its adapters (a host merges the stream's
+# adapters into the base with the trainer's rank, alpha and targets). Model fields only
+# the trainer uses are left out (the expert row tile is not one: the engine's routed tiles
+# have its shape, and their bits depend on it).
 FINGERPRINTED = ("seed", "numerics", "init_from", "model", "tokenizer", "env",
                  "engine.max_seq_len", "rl.max_new_tokens", "rl.temperature", "rl.top_k",
-                 "rl.top_p")
+                 "rl.top_p", "lora")
 TRAINER_ONLY_MODEL_FIELDS = ("train_experts", "remat", "scan_layers")
 
 

@@ -116,9 +116,6 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
       lora_lib.LoraConfig.from_dict(config.lora.to_dict())
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config.lora: {e}") from None
-    if "async_rl" in needs:
-      raise ConfigError("config.lora: the async trainer does not train adapters yet (its "
-                        "checkpoints hold no frozen base); run LoRA with experiments/grpo.py")
   if "mesh" in needs:
     check_mesh_axes(config.mesh, "config.mesh")
   if "engine" in needs and "mesh" in config.engine:

@@ -79,12 +79,17 @@ def serving_params(state: TrainState, cfg: ModelConfig, *, base: Any = None,
   """The params the engine samples with (and the trainer's forward sees): cfg.param_dtype;
   with `lora`, the frozen `base` with the state's adapters merged in."""
   if lora is not None:
-    return _merge_jit(base, state.params, lora)
+    return merged_params(base, state.params, lora)
   return jax.tree.map(lambda x: x.astype(cfg.param_dtype), state.params)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _merge_jit(base, adapters, lora):
+def merged_params(base: Any, adapters: Any, lora: lora_lib.LoraConfig) -> Any:
+  """`lora.merge(base, adapters)` as a program of its own, never fused into a caller's:
+  the trainer's `serving_params` and a rollout host's weights (the base and the adapters
+  it read from the weight stream, rljax.pipeline.adapter_stream) both come from here. The
+  merge is elementwise, so the bits do not depend on which devices hold the inputs: in
+  deterministic numerics a host on its own mesh serves the trainer's weights exactly."""
   return lora_lib.merge(base, adapters, lora)
 
 
