@@ -8,19 +8,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# The suite's programs (in this process and every process it starts) compile with less
-# LLVM work: its tiny programs spend far longer compiling than running. Level 1 still
-# contracts a*b+c into FMAs as XLA's default does (level 0 does not, which would hide a
-# missing deterministic flag: test_numerics), and gave the same bits as the default on the
-# 8-device value-and-grad worker, cold cache, 46.3 -> 34.0 s CPU. test_device_check runs
-# engine = trainer with XLA's defaults.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1",
-                  "--xla_llvm_disable_expensive_passes=true")
-_flags = os.environ.get("XLA_FLAGS", "").split()
-_given = {f.split("=")[0] for f in _flags}  # a value set by hand wins
-os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in TEST_XLA_FLAGS
-                                             if f.split("=")[0] not in _given])
-
 # The suite runs both numerics modes in this one process, so it takes the deterministic
 # XLA flags before JAX starts (fast-mode tests pay for them; entry points run in their own
 # processes with their config's mode, see test_numerics).
