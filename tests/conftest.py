@@ -53,10 +53,16 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519
     "test_engine_sharded.py", "test_own_checkpoint_e2e.py", "test_learning.py",  # 110-91
     "test_python_tool_env.py", "test_openai_endpoint.py",  # ~150, ~100
     "test_hf_import.py", "test_device_check.py",  # 73, ~90 (3 subprocess runs)
-    "test_batch_parts.py", "test_engine_multiprocess.py",  # 49-51
+    "test_batch_parts.py",  # 49-51
 )
+
+
+# Last of all, when the other worker is likeliest idle: its two processes must keep within
+# 30 s of each other (engine_multiprocess_worker.meet).
+LAST = ("test_engine_multiprocess.py",)
 
 
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+  rank |= {name: len(HEAVIEST_FIRST) + 1 + i for i, name in enumerate(LAST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(HEAVIEST_FIRST)))  # stable

@@ -30,6 +30,7 @@ import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+from jax._src import distributed as jax_distributed  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
@@ -72,14 +73,26 @@ def trainer_params(built, seed: int):
               "bfloat16")
 
 
-def serve(engine, reqs, new_params) -> dict:
+def meet(name: str) -> None:
+  """Both processes reach this point before either goes on (the coordination service's
+  barrier, not a device collective). Gloo sets up a program's communicator at its first
+  run and waits only 30 s (hard-coded in XLA) for the other process, which compiles the
+  program itself; starting each step together keeps one process's compile from lagging the
+  other's by that much ("Gloo context initialization failed: GetKeyValue() timed out")."""
+  if jax.process_count() > 1:
+    jax_distributed.global_state.client.wait_at_barrier(name, 600_000)
+
+
+def serve(engine, reqs, new_params, name: str = "engine") -> dict:
   """Submits every request, steps twice, takes version 1's weights, runs to the end."""
   for r in reqs:
     engine.submit(r)
   trajs = []
-  for _ in range(STEPS_BEFORE_UPDATE):
+  for i in range(STEPS_BEFORE_UPDATE):
+    meet(f"{name} step {i}")
     trajs += engine.step()
   engine.update_weights(new_params, 1)
+  meet(f"{name} run")
   trajs += engine.run()
   return {f"{t.request_id}/{t.sample_index}": {
       "prompt": t.prompt_ids.tolist(), "completion": t.completion_ids.tolist(),
@@ -139,14 +152,14 @@ def main():
   # Both processes compute the 1-device reference (process 0 reports it), so that neither
   # waits long for the other in JAX's shutdown barrier (300 s).
   t0 = time.perf_counter()
-  reference = serve(built.make_engine(host[0]), reqs, host[1])
+  reference = serve(built.make_engine(host[0]), reqs, host[1], "reference")
   print(f"1-device engine {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   if distributed.is_primary():
     out["reference"] = reference
   # meet before exiting: the one ahead would otherwise wait in JAX's shutdown barrier,
   # which fails after 300 s, and a loaded CI machine has let one process lag that long
   multihost_utils.sync_global_devices("engine_multiprocess_worker done")
-  print(json.dumps(out))
+  print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

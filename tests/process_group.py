@@ -1,5 +1,5 @@
-"""Runs the processes of one jax.distributed job to the end and returns each one's last
-stdout line as JSON.
+"""Runs the processes of one jax.distributed job to the end and returns the JSON object
+each printed last.
 
 Each process writes stdout and stderr to its own file, never to a pipe: a pipe is read
 only when the test waits on that process, so while the test waited on process 0, process 1
@@ -48,7 +48,7 @@ def run_together(commands: list[list[str]], timeout_s: float, logs: pathlib.Path
     results = []
     for i, p in enumerate(procs):
       assert p.returncode == 0, f"process {i} exited {p.returncode}\n{_tails(logs, len(procs))}"
-      results.append(json.loads((logs / f"process{i}.out").read_text().strip().splitlines()[-1]))
+      results.append(last_json((logs / f"process{i}.out").read_text()))
     return results
   finally:
     for p in procs:
@@ -58,6 +58,19 @@ def run_together(commands: list[list[str]], timeout_s: float, logs: pathlib.Path
     for out, err in files:
       out.close()
       err.close()
+
+
+def last_json(stdout: str) -> dict:
+  """The last line of `stdout` that is a JSON object: native libraries write to the same
+  stdout (Gloo reports its connections, from its own threads, even after the process's
+  last print)."""
+  for line in reversed(stdout.splitlines()):
+    if line.startswith("{"):
+      try:
+        return json.loads(line)
+      except json.JSONDecodeError:
+        continue
+  raise AssertionError(f"no JSON object in the process's stdout:\n{stdout[-3000:]}")
 
 
 def _tails(logs: pathlib.Path, count: int, chars: int = 3000) -> str:

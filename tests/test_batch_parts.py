@@ -189,7 +189,7 @@ def worker(port: int, process_id: int, workdir: str) -> None:
                   "whole": float(diff), "whole_tokens": int(tokens),
                   "unchecked": check.unchecked_tokens,
                   "whole_unchecked": int(check._count(whole_check, np.int32(1)))}
-  print(json.dumps(out))
+  print(json.dumps(out), flush=True)
   jax.distributed.shutdown()
 
 

@@ -32,6 +32,8 @@ import time
 
 import pytest
 
+from tests.process_group import last_json
+
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parents[1]
 PIPELINE = REPO / "experiments" / "pipeline.py"
@@ -124,7 +126,7 @@ def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, mon
       for i, p in enumerate(procs):
         out, _ = p.communicate(timeout=TIMEOUT)
         assert p.returncode == 0, (tmp_path / f"trainer{i}.err").read_text()[-4000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs.append(last_json(out))  # Gloo logs to stdout too
       host_code = host.wait(timeout=120)
     finally:
       for p in [*procs, host]:
@@ -283,7 +285,7 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
     for i, p in enumerate(procs):
       out, _ = p.communicate(timeout=TIMEOUT)
       assert p.returncode == 0, (tmp_path / f"lockstep{i}.err").read_text()[-4000:]
-      outs.append(json.loads(out.strip().splitlines()[-1]))
+      outs.append(last_json(out))  # Gloo logs to stdout too
   finally:
     for p in procs:
       if p.poll() is None:

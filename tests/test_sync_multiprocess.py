@@ -33,7 +33,8 @@ def _run(args, env=None, timeout=300):
 def _result(proc, timeout=300):
   out, err = proc.communicate(timeout=timeout)
   assert proc.returncode == 0, err[-4000:]
-  return json.loads(out.strip().splitlines()[-1])
+  from tests.process_group import last_json  # here: the script has no tests/
+  return last_json(out)  # Gloo logs to stdout too
 
 
 # ---------------------------------------------------------------- tests
