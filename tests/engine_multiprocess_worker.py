@@ -32,7 +32,6 @@ import time  # noqa: E402
 import jax  # noqa: E402
 from jax._src import distributed as jax_distributed  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 
 from configs import arith_tiny  # noqa: E402
 from rljax import distributed  # noqa: E402
@@ -158,7 +157,7 @@ def main():
     out["reference"] = reference
   # meet before exiting: the one ahead would otherwise wait in JAX's shutdown barrier,
   # which fails after 300 s, and a loaded CI machine has let one process lag that long
-  multihost_utils.sync_global_devices("engine_multiprocess_worker done")
+  meet("done")
   print(json.dumps(out), flush=True)
 
 
