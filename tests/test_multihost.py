@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from tests.process_group import last_json
+from tests.process_group import free_port, last_json
 
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -54,12 +54,6 @@ FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.log.tensorboard=False"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _flat(tree) -> dict:
   import jax
   return {jax.tree_util.keystr(path): leaf
@@ -74,7 +68,7 @@ def _env(devices: int) -> dict:
 def _trainers(tmp_path, root, *extra) -> list:
   """The trainer's two processes (the same command on each host, but for --process_id);
   a dead peer is noticed within 10 s (--distributed_heartbeat_s)."""
-  port, procs = _free_port(), []
+  port, procs = free_port(), []
   for i in range(2):
     err = open(tmp_path / f"trainer{i}.err", "a", encoding="utf-8")  # never blocks
     procs.append(subprocess.Popen(
@@ -270,7 +264,7 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   # experiments/grpo.py on 2 processes x 4 devices, one workdir: one SPMD engine over the
   # 8-device mesh samples every group on both processes, each feeds its part of the batch;
   # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
-  port, procs = _free_port(), []
+  port, procs = free_port(), []
   flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
       "--config.rl.steps=2", "--config.numerics=deterministic"]  # FLAGS: no SFT
   for i in range(2):
