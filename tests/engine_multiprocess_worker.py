@@ -6,7 +6,7 @@ fsdp 4 x expert 2 over all 8 devices, `Built.trainer_engine_sharding()`: the dec
 from serving params as the trainer holds them (bf16 global arrays by the training rules),
 submit the same requests and step in lockstep: 4 sampled groups of 4 sharing their
 prompt's pages and a greedy pair, new weights (a second trainer-layout tree) in
-flight after two steps. Each process then serves the same on a
+flight after two steps. Process 0 then serves the same on a
 1-device engine of the same `Built` with the params gathered to host.
 
 Prints one JSON object: each finished sample's records (token ids, log-prob bits, versions,
@@ -82,16 +82,19 @@ def meet(name: str) -> None:
     jax_distributed.global_state.client.wait_at_barrier(name, 600_000)
 
 
-def serve(engine, reqs, new_params, name: str = "engine") -> dict:
-  """Submits every request, steps twice, takes version 1's weights, runs to the end."""
+def serve(engine, reqs, new_params, lockstep: bool) -> dict:
+  """Submits every request, steps twice, takes version 1's weights, runs to the end
+  (`lockstep`: an engine over both processes' devices, each step started together)."""
   for r in reqs:
     engine.submit(r)
   trajs = []
   for i in range(STEPS_BEFORE_UPDATE):
-    meet(f"{name} step {i}")
+    if lockstep:
+      meet(f"step {i}")
     trajs += engine.step()
   engine.update_weights(new_params, 1)
-  meet(f"{name} run")
+  if lockstep:
+    meet("run")
   trajs += engine.run()
   return {f"{t.request_id}/{t.sample_index}": {
       "prompt": t.prompt_ids.tolist(), "completion": t.completion_ids.tolist(),
@@ -142,21 +145,18 @@ def main():
 
   t0 = time.perf_counter()
   engine = built.make_engine(p0, sharding=built.trainer_engine_sharding())
-  out = {"process": jax.process_index(), "engine": serve(engine, reqs, p1),
+  out = {"process": jax.process_index(), "engine": serve(engine, reqs, p1, lockstep=True),
          "placement": placement(engine, p1)}
   print(f"process {process_id}: 8-device engine {time.perf_counter() - t0:.1f} s, traces "
         f"{dict(engine.trace_counts)}", file=sys.stderr)
 
   host = [distributed.gather(p) for p in (p0, p1)]  # a collective: both processes
-  # Both processes compute the 1-device reference (process 0 reports it), so that neither
-  # waits long for the other in JAX's shutdown barrier (300 s).
-  t0 = time.perf_counter()
-  reference = serve(built.make_engine(host[0]), reqs, host[1], "reference")
-  print(f"1-device engine {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   if distributed.is_primary():
-    out["reference"] = reference
-  # meet before exiting: the one ahead would otherwise wait in JAX's shutdown barrier,
-  # which fails after 300 s, and a loaded CI machine has let one process lag that long
+    t0 = time.perf_counter()
+    out["reference"] = serve(built.make_engine(host[0]), reqs, host[1], lockstep=False)
+    print(f"1-device engine {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+  # process 1 waits here (up to 600 s), not in JAX's shutdown barrier, which fails after
+  # 300 s: a loaded CI machine has let process 0's reference take that long
   meet("done")
   print(json.dumps(out), flush=True)
 

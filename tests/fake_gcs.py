@@ -5,16 +5,11 @@ import contextlib
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import time
 import urllib.request
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+from tests.process_group import free_port
 
 
 def _fake_gcs_binary() -> pathlib.Path:
@@ -30,7 +25,7 @@ def _fake_gcs_binary() -> pathlib.Path:
 @contextlib.contextmanager
 def fake_gcs(bucket: str):
   """Starts the server with `bucket`; yields its URL; restores the environment after."""
-  port = _free_port()
+  port = free_port()
   url = f"http://127.0.0.1:{port}"
   proc = subprocess.Popen(
       [str(_fake_gcs_binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",

@@ -2,10 +2,9 @@
 each printed last.
 
 Each process writes stdout and stderr to its own file, never to a pipe: a pipe is read
-only when the test waits on that process, so while the test waited on process 0, process 1
-could fill its 64 KiB stderr pipe with XLA's warnings and block there, never reaching
-JAX's shutdown barrier, which then failed in process 0 after 300 s ("Shutdown barrier has
-failed" on a loaded CI machine)."""
+only when the test waits on that process, so the other could block on a full one while the
+test waits. All processes share one deadline, and a failure reports every process's stderr
+(the one that failed first may only say that its peer died)."""
 
 import json
 import pathlib
@@ -25,8 +24,8 @@ def run_together(commands: list[list[str]], timeout_s: float, logs: pathlib.Path
                  **popen_kwargs) -> list[dict]:
   """Starts every command at once, waits for all (one deadline for the group), and returns
   the JSON object each printed last. A process that fails or outlives the deadline fails
-  the call with every process's stderr tail; the others are then killed, since they would wait for it
-  in a collective. Logs go to `logs` (a fresh temporary folder if None)."""
+  the call with every process's stderr tail; the others are then killed, since they would
+  wait for it in a collective. Logs go to `logs` (a fresh temporary folder if None)."""
   logs = pathlib.Path(logs or tempfile.mkdtemp(prefix="process_group_"))
   logs.mkdir(parents=True, exist_ok=True)
   procs, files = [], []

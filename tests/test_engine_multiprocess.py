@@ -1,10 +1,9 @@
 """The decode engine SPMD over two jax.distributed processes (4 simulated CPU devices each,
 one 8-device mesh: the trainer's config.mesh fsdp 4 x expert 2 with the decode rules).
 
-Both processes run `engine_multiprocess_worker.py` in lockstep, then each serves the same
-requests on a 1-device engine (process 0 reports it)."""
+Both processes run `engine_multiprocess_worker.py` in lockstep; process 0 also serves the
+same requests on a 1-device engine."""
 
-import os
 import pathlib
 import sys
 
@@ -22,8 +21,7 @@ TIMEOUT = 600
 def results(tmp_path_factory):
   port = free_port()
   return run_together([[sys.executable, str(WORKER), str(port), str(i)] for i in range(2)],
-                      TIMEOUT, tmp_path_factory.mktemp("engine_multiprocess"),
-                      env=dict(os.environ))
+                      TIMEOUT, tmp_path_factory.mktemp("engine_multiprocess"))
 
 
 def _arrays(records: dict) -> dict:
