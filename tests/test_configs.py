@@ -108,6 +108,14 @@ def test_build_names_a_missing_misspelled_or_short_block():
   bad_engine_mesh.engine.mesh = {"tensor": 2}
   with pytest.raises(ConfigError, match=r"config.engine.mesh has unknown axes \['tensor'\]"):
     build(bad_engine_mesh)
+  short_lora = arith_tiny.get_config()  # an optional block, checked for every caller
+  short_lora.lora = {"rank": 8, "alpha": 16.0}
+  with pytest.raises(ConfigError, match=r"config.lora is missing \['targets'\]"):
+    build(short_lora, ("model", "mesh"))
+  not_a_block = arith_tiny.get_config()
+  not_a_block.lora = 8
+  with pytest.raises(ConfigError, match=r"config.lora must be a block \(rank, alpha, targets\)"):
+    build(not_a_block)
   big_engine_mesh = arith_tiny.get_config()
   big_engine_mesh.engine.mesh = {"expert": jax.local_device_count() + 1}
   with pytest.raises(ConfigError, match=r"config.engine.mesh .* needs \d+ devices, this "

@@ -13,8 +13,6 @@ This file is also the worker: `python tests/test_sync_multiprocess.py MODE ...`.
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -24,17 +22,13 @@ REPO = HERE.parents[1]
 VERSIONS = 5
 
 
-def _run(args, env=None, timeout=300):
-  return subprocess.Popen([sys.executable, str(HERE), *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-                          env={**os.environ, **(env or {})})
+def _command(*args):
+  return [sys.executable, str(HERE), *args]
 
 
-def _result(proc, timeout=300):
-  out, err = proc.communicate(timeout=timeout)
-  assert proc.returncode == 0, err[-4000:]
-  from tests.process_group import last_json  # here: the script has no tests/
-  return last_json(out)  # Gloo logs to stdout too
+def _run_together(commands, logs):
+  from tests.process_group import run_together  # here: the worker script has no tests/
+  return run_together(commands, timeout_s=300, logs=logs, cwd=str(REPO))
 
 
 # ---------------------------------------------------------------- tests
@@ -43,7 +37,9 @@ def _result(proc, timeout=300):
 @pytest.fixture(scope="module")
 def single8(tmp_path_factory):
   root = tmp_path_factory.mktemp("single8")
-  return _result(_run(["single8", str(root)]))
+  (result,) = _run_together([_command("single8", str(root))],
+                            tmp_path_factory.mktemp("single8_logs"))
+  return result
 
 
 @pytest.mark.multidevice
@@ -68,11 +64,10 @@ def test_subscribers_on_any_layout_follow_bitwise(single8, layout):
 @pytest.mark.multidevice
 def test_two_processes_write_only_their_shards(tmp_path):
   root = tmp_path / "stream"
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  procs = [_run(["process", str(root), str(port), str(i)]) for i in range(2)]
-  results = [_result(p) for p in procs]
+  from tests.process_group import free_port
+  port = free_port()
+  results = _run_together([_command("process", str(root), str(port), str(i))
+                           for i in range(2)], tmp_path / "logs")
   for r in results:
     assert r["foreign_keys"] == [] and r["written"] > 0
   written = [set(r["keys"]) for r in results]

@@ -83,6 +83,7 @@ LOCKSTEP = ("model", "mesh", "env", "engine", "sft", "rl", "train", "eval", "log
 ASYNC_TRAINER = LOCKSTEP + ("async_rl",)
 ROLLOUT_HOST = ("model", "env", "engine", "rl", "async_rl")
 MODEL_ONLY = ("model", "mesh")
+OPTIONAL = ("lora",)  # checked whenever present, by any caller
 TOKENIZER_KEYS = {"char": (), "hf": ("path", "stop_tokens", "chat_template")}
 
 
@@ -99,19 +100,17 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
   for key in ("seed", "numerics"):
     if key not in config:
       raise ConfigError(f"the config has no top-level {key!r}")
-  for block in needs:
+  optional = tuple(b for b in OPTIONAL if b in config and b not in needs)
+  for block in needs + optional:
     if block not in config or not isinstance(config[block], ml_collections.ConfigDict):
+      if block in optional:
+        raise ConfigError(f"config.{block} must be a block ({', '.join(BLOCKS[block])})")
       raise ConfigError(f"the config has no {block!r} block (needed here: {list(needs)}; "
                         "configs/arith_tiny.py has every block)")
     missing = [k for k in BLOCKS[block] if k not in config[block]]
     if missing:
       raise ConfigError(f"config.{block} is missing {missing}")
   if "lora" in config:
-    if not isinstance(config.lora, ml_collections.ConfigDict):
-      raise ConfigError("config.lora must be a block (rank, alpha, targets)")
-    missing = [k for k in BLOCKS["lora"] if k not in config.lora]
-    if missing:
-      raise ConfigError(f"config.lora is missing {missing}")
     try:
       lora_lib.LoraConfig.from_dict(config.lora.to_dict())
     except (TypeError, ValueError) as e:
