@@ -285,7 +285,7 @@ def _routed_tiles_fwd(x, gate, up, down, src, tile_expert, numerics, row_tile, k
                       in_place, k):
   y, saved = _routed_tiles_forward(x, gate, up, down, src, tile_expert, numerics, row_tile,
                                    kernel, in_place, k)
-  return y, (x, gate, up, down, src, tile_expert, saved)
+  return y, (gate, up, down, src, tile_expert, saved)  # x: only its shape and dtype
 
 
 def _routed_tiles_bwd(numerics, row_tile, kernel, in_place, k, residuals, dy):
@@ -294,15 +294,15 @@ def _routed_tiles_bwd(numerics, row_tile, kernel, in_place, k, residuals, dy):
   order, and each token's k slots in slot order (a scatter-add's order would follow the
   tile layout, which differs between kernels)."""
   del row_tile, kernel
-  x, gate, up, down, src, tile_expert, (xs, g, u, act, hidden) = residuals
-  t, d = x.shape
-  e_local = gate.shape[1]
-  operand = lambda a: a.astype(x.dtype).astype(jnp.float32)  # noqa: E731  (as the kernel's)
+  gate, up, down, src, tile_expert, (xs, g, u, act, hidden) = residuals
+  t, _, d = dy.shape
+  dtype, e_local = xs.dtype, gate.shape[1]
+  operand = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731  (as the kernel's)
   dys = dy.reshape(t * k, d).at[src].get(mode="fill", fill_value=0).reshape(xs.shape)
   dys = dys.astype(jnp.float32)
   d_down = _tile_weight_grads(operand(hidden), dys, tile_expert, e_local, in_place)
-  d_hidden = _tiles_transposed(dys, operand(down), tile_expert, in_place).astype(x.dtype)
-  _, silu_vjp = jax.vjp(lambda z: silu(z, numerics).astype(x.dtype), g)
+  d_hidden = _tiles_transposed(dys, operand(down), tile_expert, in_place).astype(dtype)
+  _, silu_vjp = jax.vjp(lambda z: silu(z, numerics).astype(dtype), g)
   dg = silu_vjp(d_hidden * u)[0].astype(jnp.float32)
   du = (d_hidden * act).astype(jnp.float32)
   dxs = (_tiles_transposed(dg, operand(gate.transpose(1, 0, 2)), tile_expert, in_place)
@@ -315,7 +315,7 @@ def _routed_tiles_bwd(numerics, row_tile, kernel, in_place, k, residuals, dy):
   xs = operand(xs)
   d_gate = _tile_weight_grads(xs, dg, tile_expert, e_local, in_place).transpose(1, 0, 2)
   d_up = _tile_weight_grads(xs, du, tile_expert, e_local, in_place).transpose(1, 0, 2)
-  return (dx.astype(x.dtype), d_gate.astype(gate.dtype), d_up.astype(up.dtype),
+  return (dx.astype(dtype), d_gate.astype(gate.dtype), d_up.astype(up.dtype),
           d_down.astype(down.dtype), None, None)
 
 
