@@ -45,42 +45,53 @@ def gather_blocks(pool: jax.Array, page_table: jax.Array, layer: int | None = No
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
            page_size: int, numerics: Numerics, scale: float,
            q_segments: jax.Array | None = None,
-           kv_segments: jax.Array | None = None) -> jax.Array:
+           kv_segments: jax.Array | None = None, per_kv_head: bool = True) -> jax.Array:
   """Causal grouped-query attention of q over a block view of keys.
 
   q: [B, T, H, D]; k, v: [B, N, Hkv, D] with N a multiple of `page_size` (key n sits at
   index n of its row); q_index: [B, T] index of each query in the same row (its
   position); a key is visible to a query when n <= q_index (and, given segments, when
   both are in the same segment). Returns [B, T, H, D] in q's dtype.
+
+  Fast mode computes one KV head at a time (`per_kv_head`), batched over sequences only,
+  so the keys need no transpose: for a batched dot XLA:CPU copies out a transposed key
+  array, and one-token decode attention took 1.5x as long (256 slots, 2 KV heads, CPU).
+  Turn it off when the heads are sharded: a slice per head would cross devices.
   """
   b, t, h, d = q.shape
   n, hkv = k.shape[1], k.shape[2]
   if n % page_size:
     raise ValueError(f"key count {n} is not a multiple of page_size {page_size}")
   g = h // hkv
-  # rows of a KV head: (query, group member), matching HF's repeat_kv head order
-  qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  kt = k.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
-  vt = v.transpose(0, 2, 1, 3)
   key_index = jnp.arange(n, dtype=jnp.int32)
   visible = key_index[None, None, :] <= q_index[:, :, None]  # [B, T, N]
   if q_segments is not None:
     visible &= kv_segments[:, None, :] == q_segments[:, :, None]
-  visible = jnp.repeat(visible, g, axis=1)[:, None]  # [B, 1, T*G, N]
+  # rows of a KV head: (query, group member), matching HF's repeat_kv head order
+  visible = jnp.repeat(visible, g, axis=1)  # [B, T*G, N]
 
+  if not numerics.deterministic and per_kv_head:
+    out = [_dense_attention(q[:, :, j * g:(j + 1) * g].reshape(b, t * g, d), k[:, :, j],
+                            v[:, :, j], visible, scale).reshape(b, t, g, d)
+           for j in range(hkv)]
+    return jnp.concatenate(out, axis=2).astype(q.dtype)
+  qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  kt = k.transpose(0, 2, 1, 3)  # [B, Hkv, N, D]
+  vt = v.transpose(0, 2, 1, 3)
   if numerics.deterministic:
-    out = _det_attention(qg, kt, vt, visible, scale, page_size)
+    out = _det_attention(qg, kt, vt, visible[:, None], scale, page_size)
   else:
-    out = _dense_attention(qg, kt, vt, visible, scale)
+    out = _dense_attention(qg, kt, vt, visible[:, None], scale)
   out = out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
   return out.astype(q.dtype)
 
 
 def _dense_attention(qg, kt, vt, visible, scale):
-  """Masked softmax attention with dots (fast mode): [B, Hkv, M, D] f32."""
-  s = jnp.einsum("bhmd,bhnd->bhmn", qg, kt, preferred_element_type=jnp.float32) * scale
+  """Masked softmax attention with dots (fast mode): qg [..., M, D], kt and vt [..., N, D],
+  visible [..., M, N] -> [..., M, D] f32."""
+  s = jnp.einsum("...md,...nd->...mn", qg, kt, preferred_element_type=jnp.float32) * scale
   p = jax.nn.softmax(jnp.where(visible, s, NEG), axis=-1).astype(vt.dtype)
-  return jnp.einsum("bhmn,bhnd->bhmd", p, vt, preferred_element_type=jnp.float32)
+  return jnp.einsum("...mn,...nd->...md", p, vt, preferred_element_type=jnp.float32)
 
 
 ROW_TILE = 8  # query rows per deterministic score/value dot

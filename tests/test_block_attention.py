@@ -6,6 +6,7 @@ whole-model checks, where fusion changes XLA's choice of dot kernel, are in
 test_model_invariance.py and test_engine.py."""
 
 import dataclasses
+import functools
 import re
 
 import chex
@@ -73,6 +74,34 @@ def test_deterministic_attention_agrees_with_the_fast_path():
   det, fast = (np.asarray(_attend(q, k, v, index, n), np.float32) for n in (DET, FAST))
   bound = 3 * 2.0 ** -8 * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
   assert np.abs(det - fast).max() <= bound
+
+
+def test_fast_attention_one_kv_head_at_a_time_matches_the_batched_heads():
+  # the same per-head dots, batched differently: XLA:CPU may sum a row in another order
+  # (f32), so outputs rounded to bf16 can sit one bf16 step apart (rtol 2^-7; atol for
+  # f32 differences near zero, 1e-5 of max|v|); gradients likewise, against their largest
+  # (2^-7 of it). Swapping two KV heads moves both by 10-30% of their largest value.
+  q, k, v = _row(64, seed=4)
+  seg = jnp.asarray([[1] * 32 + [2] * 32], jnp.int32)
+  index = jnp.asarray([list(range(32)) * 2], jnp.int32)
+  v_max = float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+
+  def run(per_kv_head, q, k, v, index, seg):
+    return block_attention.attend(q, k, v, index, page_size=P, numerics=FAST, scale=SCALE,
+                                  q_segments=seg, kv_segments=seg, per_kv_head=per_kv_head)
+
+  f32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)  # noqa: E731
+  # a packed row of two sequences, and a one-token decode query over its sequence's keys
+  for args in ((q, k, v, index, seg), (q[:, 40:41], k[:, 32:], v[:, 32:], index[:, 40:41] - 32,
+                                       seg[:, 40:41])):
+    per_head, batched = (f32(jax.jit(functools.partial(run, f))(*args)) for f in (True, False))
+    chex.assert_trees_all_close(per_head, batched, rtol=2 ** -7, atol=1e-5 * v_max)
+  loss = lambda f: lambda q, k, v: jnp.sum(  # noqa: E731
+      run(f, q, k, v, index, seg).astype(jnp.float32) * jnp.arange(D, dtype=jnp.float32))
+  per_head, batched = (f32(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v))
+                       for f in (True, False))
+  for a, b in zip(per_head, batched):
+    np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=2 ** -7 * np.abs(b).max())
 
 
 def test_deterministic_attention_runs_on_fixed_shape_dots():

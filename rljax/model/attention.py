@@ -72,7 +72,7 @@ def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array,
 
 def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
                  q_index: jax.Array, *, layer: int | None = None, dtype, numerics: Numerics,
-                 scale: float) -> jax.Array:
+                 scale: float, per_kv_head: bool = True) -> jax.Array:
   """`attend` over the row's pages, reading only the blocks some query can see.
 
   The gathered width is chosen on device among power-of-two block counts (1, 2, 4, ...,
@@ -94,7 +94,7 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
       keys = gather_blocks(k_pool, page_table[:, :nb], layer, dtype=dtype)
       values = gather_blocks(v_pool, page_table[:, :nb], layer, dtype=dtype)
       return attend(q, keys, values, q_index, page_size=page_size, numerics=numerics,
-                    scale=scale)
+                    scale=scale, per_kv_head=per_kv_head)
     return f
 
   if len(widths) == 1:

@@ -96,6 +96,7 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
     q_index = ctx["positions"]
     new_pools = (k_pool, v_pool)
 
+  per_kv_head = sharding is None or sharding.axis_size("model") == 1  # heads not split
   det_kernel = numerics.deterministic and cfg.det_attention != "jnp"
   if det_kernel and layer_kv is not None:
     out = attention.attend_paged_det_kernel(q, *new_pools, table, q_index, layer=layer,
@@ -112,11 +113,12 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
                                  interpret=cfg.decode_attention == "pallas_interpret")[:, None]
   elif layer_kv is not None:
     out = attention.attend_paged(q, *new_pools, table, q_index, layer=layer, dtype=dt,
-                                 numerics=numerics, scale=hd ** -0.5)
+                                 numerics=numerics, scale=hd ** -0.5,
+                                 per_kv_head=per_kv_head)
   else:
     out = block_attention.attend(q, keys, values, q_index, page_size=cfg.page_size,
-                           numerics=numerics, scale=hd ** -0.5, q_segments=segs,
-                           kv_segments=kv_segs)
+                                 numerics=numerics, scale=hd ** -0.5, q_segments=segs,
+                                 kv_segments=kv_segs, per_kv_head=per_kv_head)
   out = numerics.matmul(out.reshape(b, t, h * hd), _weight(sharding, p["o"], ("heads", "embed")))
   return out.astype(dt), new_pools
 
