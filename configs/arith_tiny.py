@@ -82,7 +82,13 @@ def get_config() -> ml_collections.ConfigDict:
   # tracked TRL step for step but missed a cell too (from 0.73, seed 1 reached 0.9 at 125,
   # TRL at 100), as did v1 without the decay (v3; from 0.22, seed 1 reached 0.5 at 425 vs
   # 400): at 25-step granularity on 256 held-out tasks such cells are noise, and v1 has the
-  # best mean final pass@1 from both starts (0.960 / 0.671; v2 0.949 / 0.604).
+  # best mean final pass@1 from both starts (0.960 / 0.671; v2 0.949 / 0.604). Those runs
+  # were on an AMD EPYC; on an Intel Xeon (other SFT starts, 3 seeds each) the recipe was
+  # no later than TRL's in every seed's every cell and on the seed-mean curve: from 0.68,
+  # 0.8 at 75/25/- (125/25/-), mean curve at 200 (375), ended at 0.814 (0.801); from 0.26,
+  # 0.5 at 150/275/375 (375/475/-), mean curve at 275 (never), ended at 0.516 (0.490).
+  # At 2.5x the step size without the decay (lr 5e-4, v4) the weak start fell back to
+  # 0.23-0.28 by step 225 (TRL's: 0.45-0.46).
   c.rl.learning_rate = 2e-4
   c.rl.warmup_steps = 20
   c.rl.final_lr_frac = 0.05  # < 1: cosine decay to learning_rate * final_lr_frac at rl.steps
