@@ -205,11 +205,11 @@ def compare_to_reference(runs: list[dict], settings: list[str], starts: list[str
   return out
 
 
-def tables(runs: list[dict], settings: list[str], starts: list[str], reference: str) -> str:
+def tables(runs: list[dict], settings: list[str], starts: list[str], reference: str,
+           verdicts: dict) -> str:
   """Markdown: per start, mean held-out pass@1 (min..max over seeds) at each evaluation,
   the first step reaching each level per seed, and on the seed-mean curve against the
-  reference setting's."""
-  verdicts = compare_to_reference(runs, settings, starts, reference)
+  reference setting's (`verdicts`: compare_to_reference's)."""
   out = []
   for start in starts:
     rs = [r for r in runs if r["start"] == start]
@@ -259,7 +259,8 @@ def main(_):
   t0 = time.perf_counter()
   run_jobs(jobs, first, _PARALLEL.value)
   runs = [read_run(j) for j in jobs]
-  md = tables(runs, _SETTINGS.value, _STARTS.value, _REFERENCE.value)
+  verdicts = compare_to_reference(runs, _SETTINGS.value, _STARTS.value, _REFERENCE.value)
+  md = tables(runs, _SETTINGS.value, _STARTS.value, _REFERENCE.value, verdicts)
   with open(os.path.join(_OUT.value, "table.md"), "w", encoding="utf-8") as f:
     f.write(md)
   print(md, file=sys.stderr)
@@ -269,8 +270,7 @@ def main(_):
                     "settings": {s: SETTINGS[s] for s in _SETTINGS.value},
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "reference": _REFERENCE.value,
-                    "against_reference": compare_to_reference(runs, _SETTINGS.value,
-                                                              _STARTS.value, _REFERENCE.value),
+                    "against_reference": verdicts,
                     "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}))
 
 

@@ -46,6 +46,8 @@ def test_a_setting_must_reach_every_level_the_reference_reaches_no_later():
   assert v["late"]["mean_final_pass1"] == 0.8
   per_run = dict(reach={str(lv): None for lv in study.LEVELS}, max_fall_from_best=0.0,
                  sampled_nll_first10=0.0, sampled_nll_last10=0.0)
-  table = study.tables([r | per_run for r in ref + stalls], ["trl", "stalls"], ["0.25"], "trl")
+  runs = [r | per_run for r in ref + stalls]
+  table = study.tables(runs, ["trl", "stalls"], ["0.25"], "trl",
+                       study.compare_to_reference(runs, ["trl", "stalls"], ["0.25"], "trl"))
   assert "| stalls | 25 | 50 | None | None | 0.750 | no |" in table
   assert "| trl | 25 | 50 | 75 | None | 0.800 | yes |" in table
