@@ -19,7 +19,18 @@ registration gets the same limit (past it, JAX aborts the process with DEADLINE_
 A process that dies (kill -9, a lost host) stops sending heartbeats; after
 `--distributed_heartbeat_s` (default 100) every other process of the job aborts (SIGABRT,
 "another task died"), so a job never hangs on a dead peer: restart every process with
-`--resume` and the run goes on from its last checkpoint.
+`--resume` and the run goes on from its last checkpoint. A process that raises dies the
+same way: it prints the traceback and exits at once (`os._exit(1)`), never entering JAX's
+shutdown barrier, where it would wait up to 5 minutes while its peers wait for it in a
+device collective that has no timeout.
+
+Gloo, XLA:CPU's collectives across processes, fails a reduce-scatter whose processes
+arrive more than 30 s apart (hard-coded: it ignores `--xla_cpu_collective_timeout_seconds`),
+and a process that compiles a train step more slowly than its peer arrives that much
+later; a program's first run sets up its Gloo communicator with the same 30 s limit.
+`started_together` wraps such a jitted program: its first call (per argument signature) is
+compiled ahead on each process, then all meet at a barrier of the coordination service,
+then run it; a train step's every call starts so.
 
 Helpers for the loops that run on several processes (rljax.pipeline.async_loop,
 .lockstep): `is_primary` (process 0 writes the single-writer outputs), `check_mesh` (the
@@ -31,9 +42,11 @@ arrays as numpy on every process: a full copy, for checks at small scale).
 from __future__ import annotations
 
 import math
+import os
 import socket
+import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from absl import flags, logging
 import jax
@@ -55,6 +68,9 @@ _HEARTBEAT_S = flags.DEFINE_integer(
     "distributed_heartbeat_s", 100, "seconds without a heartbeat after which a process "
     "counts as dead and every other process of the job aborts (restart them all with "
     "--resume)")
+
+BARRIER_TIMEOUT_S = 3600  # a peer still compiling (a real model's step: minutes), or writing
+_barriers = 0  # barriers met so far: every process meets the same ones in the same order
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -80,10 +96,27 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                              process_id=process_id,
                              initialization_timeout=max(1, math.ceil(timeout_s)),
                              heartbeat_timeout_seconds=heartbeat_s)
+  sys.excepthook = _exit_at_once(sys.excepthook)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def _exit_at_once(print_exception: Callable) -> Callable:
+  """sys.excepthook of a process in a job: prints the exception, then exits without JAX's
+  graceful shutdown (its barrier would keep this process alive, heartbeating, while its
+  peers wait for it in a collective). Peers blocked in a collective with it see their
+  connections close and fail; the rest abort when its heartbeats stop."""
+  def hook(kind, value, tb):
+    try:
+      print_exception(kind, value, tb)
+      logging.flush()
+      sys.stdout.flush()
+      sys.stderr.flush()
+    finally:
+      os._exit(1)
+  return hook
 
 
 def wait_for_coordinator(address: str, timeout_s: float, retry_s: float = 0.5) -> None:
@@ -143,6 +176,56 @@ def broadcast_bytes(data: bytes | None) -> bytes:
   if primary:
     padded[:n] = np.frombuffer(data, np.uint8)
   return np.asarray(multihost_utils.broadcast_one_to_all(padded))[:n].tobytes()
+
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+  """Every process reaches this point before any goes on: the coordination service's
+  barrier, not a device collective (no compiled program, no Gloo). `name` says where, in
+  the error of a barrier that times out; every process must meet the same barriers in the
+  same order. Nothing to wait for under one process."""
+  global _barriers
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  _barriers += 1
+  jax_distributed.global_state.client.wait_at_barrier(f"rljax {_barriers}: {name}",
+                                                      int(timeout_s * 1000))
+
+
+def spans_processes(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether a mesh holds devices of several processes (its programs' collectives cross
+  them)."""
+  if not isinstance(mesh, jax.sharding.Mesh):  # None, or an AbstractMesh (no devices)
+    return False
+  return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def started_together(jitted: Callable, name: str, *, every_call: bool = True) -> Callable:
+  """`jitted` (a `jax.jit` function) whose calls start on every process at once when there
+  are several: the first call of each argument signature is compiled ahead of time (the
+  call then finds it compiled), every process meets at `barrier`, then all run it; later
+  calls meet there too (`every_call`) or just run. So no process reaches a program's
+  collectives 30 s after another for having compiled it (or, `every_call`, done its own
+  host work) more slowly. For programs on a mesh that `spans_processes`: every process
+  must make the same calls in the same order. One process: `jitted` itself, called."""
+  compiled: set = set()
+
+  def call(*args):
+    if jax.process_count() == 1:
+      return jitted(*args)
+    leaves, treedef = jax.tree.flatten(args)
+    signature = (treedef, tuple((np.shape(x), np.result_type(x), getattr(x, "sharding", None))
+                                for x in leaves))
+    first = signature not in compiled
+    if first:
+      jitted.lower(*args).compile()
+      compiled.add(signature)
+    if first or every_call:
+      barrier(f"{name} starts")
+    return jitted(*args)
+
+  call.lower, call.trace = jitted.lower, jitted.trace  # ahead-of-time use (rljax.aot)
+  return call
 
 
 def gather(tree: Any) -> Any:

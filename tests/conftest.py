@@ -57,8 +57,8 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519
 )
 
 
-# Last of all, when the other worker is likeliest idle: its two processes must keep within
-# 30 s of each other (engine_multiprocess_worker.meet).
+# Last of all, when the other worker is likeliest idle: process 0 then serves a 1-device
+# reference engine alone while process 1 waits for it at a barrier (600 s at most).
 LAST = ("test_engine_multiprocess.py",)
 
 

@@ -30,7 +30,6 @@ import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-from jax._src import distributed as jax_distributed  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import arith_tiny  # noqa: E402
@@ -72,29 +71,17 @@ def trainer_params(built, seed: int):
               "bfloat16")
 
 
-def meet(name: str) -> None:
-  """Both processes reach this point before either goes on (the coordination service's
-  barrier, not a device collective). Gloo sets up a program's communicator at its first
-  run and waits only 30 s (hard-coded in XLA) for the other process, which compiles the
-  program itself; starting each step together keeps one process's compile from lagging the
-  other's by that much ("Gloo context initialization failed: GetKeyValue() timed out")."""
-  if jax.process_count() > 1:
-    jax_distributed.global_state.client.wait_at_barrier(name, 600_000)
-
-
-def serve(engine, reqs, new_params, lockstep: bool) -> dict:
-  """Submits every request, steps twice, takes version 1's weights, runs to the end
-  (`lockstep`: an engine over both processes' devices, each step started together)."""
+def serve(engine, reqs, new_params) -> dict:
+  """Submits every request, steps twice, takes version 1's weights, runs to the end. On
+  the 8-device engine both processes step in lockstep; the engine's programs start
+  together at their first run (`distributed.started_together`: Gloo gives a peer that
+  compiles more slowly only 30 s)."""
   for r in reqs:
     engine.submit(r)
   trajs = []
-  for i in range(STEPS_BEFORE_UPDATE):
-    if lockstep:
-      meet(f"step {i}")
+  for _ in range(STEPS_BEFORE_UPDATE):
     trajs += engine.step()
   engine.update_weights(new_params, 1)
-  if lockstep:
-    meet("run")
   trajs += engine.run()
   return {f"{t.request_id}/{t.sample_index}": {
       "prompt": t.prompt_ids.tolist(), "completion": t.completion_ids.tolist(),
@@ -145,7 +132,7 @@ def main():
 
   t0 = time.perf_counter()
   engine = built.make_engine(p0, sharding=built.trainer_engine_sharding())
-  out = {"process": jax.process_index(), "engine": serve(engine, reqs, p1, lockstep=True),
+  out = {"process": jax.process_index(), "engine": serve(engine, reqs, p1),
          "placement": placement(engine, p1)}
   print(f"process {process_id}: 8-device engine {time.perf_counter() - t0:.1f} s, traces "
         f"{dict(engine.trace_counts)}", file=sys.stderr)
@@ -153,11 +140,11 @@ def main():
   host = [distributed.gather(p) for p in (p0, p1)]  # a collective: both processes
   if distributed.is_primary():
     t0 = time.perf_counter()
-    out["reference"] = serve(built.make_engine(host[0]), reqs, host[1], lockstep=False)
+    out["reference"] = serve(built.make_engine(host[0]), reqs, host[1])
     print(f"1-device engine {time.perf_counter() - t0:.1f} s", file=sys.stderr)
   # process 1 waits here (up to 600 s), not in JAX's shutdown barrier, which fails after
   # 300 s: a loaded CI machine has let process 0's reference take that long
-  meet("done")
+  distributed.barrier("done", timeout_s=600)
   print(json.dumps(out), flush=True)
 
 

@@ -24,6 +24,7 @@ This file is also the restore worker: `python tests/test_multihost.py CKPT_DIR O
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -32,7 +33,7 @@ import time
 
 import pytest
 
-from tests.process_group import free_port, last_json
+from tests.process_group import free_port, run_together
 
 HERE = pathlib.Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -65,19 +66,15 @@ def _env(devices: int) -> dict:
           + f" --xla_force_host_platform_device_count={devices}"}
 
 
-def _trainers(tmp_path, root, *extra) -> list:
+def _trainer_commands(tmp_path, root, *extra) -> list[list[str]]:
   """The trainer's two processes (the same command on each host, but for --process_id);
   a dead peer is noticed within 10 s (--distributed_heartbeat_s)."""
-  port, procs = free_port(), []
-  for i in range(2):
-    err = open(tmp_path / f"trainer{i}.err", "a", encoding="utf-8")  # never blocks
-    procs.append(subprocess.Popen(
-        [sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
-         f"--root={root}", "--hosts=0", "--progress=false",
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}", "--distributed_heartbeat_s=10", *FLAGS, *extra],
-        cwd=str(REPO), env=_env(4), stdout=subprocess.PIPE, stderr=err, text=True))
-  return procs
+  port = free_port()
+  return [[sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
+           f"--root={root}", "--hosts=0", "--progress=false",
+           f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+           f"--process_id={i}", "--distributed_heartbeat_s=10", *FLAGS, *extra]
+          for i in range(2)]
 
 
 def _updates_logged(workdir) -> int:
@@ -99,7 +96,11 @@ def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, mon
     # no bucket-type probe through the storage-control API (the emulator has none)
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     root = f"gs://{BUCKET}/runs/async"
-    procs = _trainers(tmp_path, root)
+    procs = []
+    for i, command in enumerate(_trainer_commands(tmp_path, root)):
+      err = open(tmp_path / f"trainer{i}.err", "w", encoding="utf-8")  # never blocks
+      procs.append(subprocess.Popen(command, cwd=str(REPO), env=_env(4),
+                                    stdout=subprocess.DEVNULL, stderr=err))
     host_log = open(tmp_path / "host.log", "a", encoding="utf-8")
     host = subprocess.Popen([sys.executable, str(HOST), f"--root={root}", "--host_id=host0",
                              *FLAGS], cwd=str(REPO), stdout=host_log, stderr=subprocess.STDOUT)
@@ -114,23 +115,21 @@ def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, mon
       procs[1].wait()
       # the survivor does not hang in a collective: it aborts, told of the death by the
       # coordination service's heartbeats ("another task died"), or first by Gloo, whose
-      # connection to the dead process breaks mid-collective (a closed pair, or a torn
-      # message: "Received data size doesn't match expected size")
+      # connection to the dead process breaks mid-collective ("Gloo all-reduce failed: ...
+      # Connection reset by peer", or a torn message: "gloo::EnforceNotMet ... Received
+      # data size doesn't match expected size")
       assert procs[0].wait(timeout=120) != 0
       err = (tmp_path / "trainer0.err").read_text()
-      assert "another task died" in err or "gloo::" in err, err[-4000:]
-      procs = _trainers(tmp_path, root, "--resume")  # both again, from the checkpoint
-      outs = []
-      for i, p in enumerate(procs):
-        out, _ = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == 0, (tmp_path / f"trainer{i}.err").read_text()[-4000:]
-        outs.append(last_json(out))  # Gloo logs to stdout too
+      assert re.search(r"another task died|Gloo [\w-]+ failed|gloo::", err), err[-4000:]
+      outs = run_together(_trainer_commands(tmp_path, root, "--resume"),  # from the checkpoint
+                          timeout_s=TIMEOUT, logs=tmp_path / "resumed", cwd=str(REPO),
+                          env=_env(4))
       host_code = host.wait(timeout=120)
     finally:
       for p in [*procs, host]:
         if p.poll() is None:
           p.kill()
-          p.communicate()
+          p.wait()
       host_log.close()
     summary, other = outs
 
@@ -268,26 +267,14 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   # experiments/grpo.py on 2 processes x 4 devices, one workdir: one SPMD engine over the
   # 8-device mesh samples every group on both processes, each feeds its part of the batch;
   # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
-  port, procs = free_port(), []
+  port = free_port()
   flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
       "--config.rl.steps=2", "--config.numerics=deterministic"]  # FLAGS: no SFT
-  for i in range(2):
-    err = open(tmp_path / f"lockstep{i}.err", "w", encoding="utf-8")  # never blocks
-    procs.append(subprocess.Popen(
-        [sys.executable, str(REPO / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'run'}",
-         "--progress=false", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}", "--distributed_heartbeat_s=10", *flags],
-        cwd=str(REPO), env=_env(4), stdout=subprocess.PIPE, stderr=err, text=True))
-  outs = []
-  try:
-    for i, p in enumerate(procs):
-      out, _ = p.communicate(timeout=TIMEOUT)
-      assert p.returncode == 0, (tmp_path / f"lockstep{i}.err").read_text()[-4000:]
-      outs.append(last_json(out))  # Gloo logs to stdout too
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  outs = run_together(
+      [[sys.executable, str(REPO / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'run'}",
+        "--progress=false", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+        f"--process_id={i}", "--distributed_heartbeat_s=10", *flags] for i in range(2)],
+      timeout_s=TIMEOUT, logs=tmp_path / "lockstep", cwd=str(REPO), env=_env(4))
   summary, other = outs
   assert summary["steps"] == 2 and summary["mismatch_tokens"] > 0
   assert summary["mismatch_max_abs"] == 0.0  # the trainer re-scored every sampled token

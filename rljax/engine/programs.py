@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rljax import distributed
 from rljax import sharding as sharding_lib
 from rljax.engine import sampling
 from rljax.model import ModelConfig, PagedKV, abstract_params, forward, param_shardings
@@ -155,8 +156,10 @@ class EnginePrograms:
     }
     for name, (fn, donate, ins, outs) in programs.items():
       shardings = {} if sh is None else {"in_shardings": ins, "out_shardings": outs}
-      object.__setattr__(self, name, jax.jit(self._counted(name, fn), donate_argnums=donate,
-                                             **shardings))
+      jitted = jax.jit(self._counted(name, fn), donate_argnums=donate, **shardings)
+      if sh is not None and distributed.spans_processes(sh.mesh):
+        jitted = distributed.started_together(jitted, f"engine {name}", every_call=False)
+      object.__setattr__(self, name, jitted)
 
   def _counted(self, name: str, fn):
     def traced(*args):

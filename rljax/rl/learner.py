@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rljax import distributed
 from rljax import sharding as sharding_lib
 from rljax.model import ModelConfig, abstract_params, forward, param_shardings
 from rljax.model import lora as lora_lib
@@ -177,12 +178,15 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    in_shardings=None if state_sharding is None else (state_sharding, None, None,
                                                                      None),
                    out_shardings=None if state_sharding is None else (state_sharding, None))
+  together = jitted
+  if sharding is not None and distributed.spans_processes(sharding.mesh):
+    together = distributed.started_together(jitted, "grpo step")
 
   def run(state: TrainState, batches: TrainBatch, current_version: int = -1, *,
           base: Any = None):
     if (base is None) != (lora is None):
       raise ValueError("a LoRA step takes the frozen base params (base=...), and only it")
-    return jitted(state, batches, np.int32(current_version), base)
+    return together(state, batches, np.int32(current_version), base)
 
   run.jitted = jitted  # for ahead-of-time lowering (experiments/aot_check.py)
   return run
@@ -202,4 +206,7 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                                 sharding=sharding, denominator=denominator)
     return _apply(state, optimizer, loss_fn, batches)
 
-  return jax.jit(step, donate_argnums=(0,))
+  jitted = jax.jit(step, donate_argnums=(0,))
+  if sharding is not None and distributed.spans_processes(sharding.mesh):
+    return distributed.started_together(jitted, "sft step")
+  return jitted
