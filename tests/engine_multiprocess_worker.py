@@ -35,8 +35,11 @@ import numpy as np  # noqa: E402
 from configs import arith_tiny  # noqa: E402
 from rljax import distributed  # noqa: E402
 from rljax.engine.engine import Request, SamplingParams  # noqa: E402
+from rljax.envs.base import StepResult, Verdict  # noqa: E402
 from rljax.model.params import cast, init_sharded, scale_matrices  # noqa: E402
 from rljax.pipeline import run  # noqa: E402
+from rljax.pipeline.rollout import generate_groups  # noqa: E402
+from rljax.rl.trajectory import Outcome  # noqa: E402
 
 NEEDS = ("model", "mesh", "env", "engine")
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -90,6 +93,48 @@ def serve(engine, reqs, new_params) -> dict:
       "finish": t.finish_reason.value} for t in trajs}
 
 
+class ProcessDependentEnv:
+  """Two turns on the arithmetic env's tasks whose every answer depends on the process that
+  computes it: the observation after turn 1 (its tokens and length), the reward and the
+  outcome. Driven by both processes of one SPMD engine, every episode must still see and
+  score process 0's answers (rollout.py: process 0's env answers are the job's)."""
+
+  name, max_turns = "process_dependent", 2
+
+  def __init__(self, env):
+    self.env, self.tokenizer, self.stop_ids = env, env.tokenizer, env.stop_ids
+
+  def prompts(self, split, n, seed):
+    return self.env.prompts(split, n, seed)
+
+  def sft_target(self, task):
+    return self.env.sft_target(task)
+
+  def step(self, task, history_ids, action_ids):
+    if len(history_ids):  # the second action ends the episode
+      return StepResult(None, done=True)
+    me = jax.process_index()
+    obs = np.full(2 + 3 * me, 5 + me, np.int32)  # 2 tokens on process 0, 5 on process 1
+    return StepResult(obs, done=False, info={"tool_calls": 1 + me})
+
+  def verify(self, task, completion_ids):
+    me = jax.process_index()
+    return (Verdict(0.25 + len(completion_ids) % 3, Outcome.MODEL_FAILURE) if me == 0
+            else Verdict.success())
+
+
+def episodes(built, engine) -> dict:
+  """Two-turn episodes of 3 tasks x 2 samples on `engine` with ProcessDependentEnv."""
+  env = ProcessDependentEnv(built.env)
+  groups = generate_groups(engine, env, env.prompts("train", 3, 0), group_size=2,
+                           sampling=SamplingParams(max_new_tokens=6), seed=3,
+                           first_request_id=300)
+  return {f"{g.request_id}/{t.sample_index}": {
+      "completion": t.completion_ids.tolist(), "loss_mask": t.loss_mask.tolist(),
+      "reward": t.reward, "outcome": t.outcome.value, "info": t.info}
+          for g in groups for t in g.trajectories}
+
+
 HLO_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")  # f32[1,32,4,16] -> "1,32,4,16"
 
 
@@ -133,7 +178,7 @@ def main():
   t0 = time.perf_counter()
   engine = built.make_engine(p0, sharding=built.trainer_engine_sharding())
   out = {"process": jax.process_index(), "engine": serve(engine, reqs, p1),
-         "placement": placement(engine, p1)}
+         "placement": placement(engine, p1), "episodes": episodes(built, engine)}
   print(f"process {process_id}: 8-device engine {time.perf_counter() - t0:.1f} s, traces "
         f"{dict(engine.trace_counts)}", file=sys.stderr)
 

@@ -59,3 +59,18 @@ def test_trainer_layout_params_are_resharded_by_the_decode_rules(results):
     # block of the tensor on the engine: no full copy anywhere
     assert p["reshard_largest_value"] == 1, p
     assert p["pool_pages"] % 8 == 0 and p["pool_pages_per_device"] * 8 == p["pool_pages"]
+
+
+@pytest.mark.multidevice
+def test_env_answers_are_process_0_s_on_every_process(results):
+  # each process's env answers differently (observation tokens and length, step info,
+  # reward, outcome); both processes drive one engine, and every episode is process 0's
+  mine, theirs = results[0]["episodes"], results[1]["episodes"]
+  assert mine == theirs and len(mine) == 6
+  for key, e in mine.items():
+    mask = np.asarray(e["loss_mask"])
+    observation = np.asarray(e["completion"])[~mask]
+    assert observation.tolist() == [5, 5], key  # process 0's: 2 tokens of id 5
+    assert e["info"] == {"turns": 2, "tool_calls": 1.0}, key
+    assert e["outcome"] == "model_failure", key
+    assert e["reward"] == 0.25 + len(e["completion"]) % 3, key

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rljax import distributed
 from rljax import sharding as sharding_lib
 from rljax.engine.pages import OutOfPages, PagePool, pages_for, table_row
 from rljax.engine.programs import EnginePrograms
@@ -117,6 +118,12 @@ class DecodeEngine:
   @property
   def max_waste_pages(self) -> float:
     return self.scheduler.max_waste_pages
+
+  @property
+  def spans_processes(self) -> bool:
+    """Whether the engine's mesh holds devices of several processes: each of them drives
+    it in lockstep and must feed it the same requests and tokens."""
+    return self.sharding is not None and distributed.spans_processes(self.sharding.mesh)
 
   @property
   def trace_counts(self):

@@ -24,6 +24,13 @@ as the Python tool's sandbox does, costs tens of ms: a batch's calls overlap). A
 multi-turn episode's `Trajectory.info` holds its turns and its steps' info summed
 (`rljax.envs.base.add_step_info`: tool calls, tool errors).
 
+An engine whose mesh spans several processes (the lockstep trainer's, one per host) is
+driven by each of them in lockstep; each runs the env too, but process 0's answers are the
+job's (`distributed.broadcast_bytes`): every env step's result before its observation
+reaches the engine, and every verdict at the end of `generate_groups`. So a tool whose
+outcome depends on timing (a sandbox near its time limit, a verifier past its timeout)
+cannot feed the processes different tokens or rewards.
+
 `EpisodeRunner` is the incremental form (the async rollout host adds groups while others
 are decoding): `add` submits a group, each `step` is one `engine.step()` and returns the
 groups that became complete by then. `generate_groups` is the batch form on top of it. The
@@ -35,13 +42,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 from typing import Sequence
 
 import numpy as np
 
+from rljax import distributed
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
-from rljax.envs.base import (Env, MultiTurnEnv, Task, Verdict, add_step_info, safe_step,
-                             safe_verify)
+from rljax.envs.base import (Env, MultiTurnEnv, StepResult, Task, Verdict, add_step_info,
+                             safe_step, safe_verify)
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 _MAX_REQUEST_ID = 2**31 - 1  # request ids enter the sampling keys as int32
@@ -91,6 +100,8 @@ class EpisodeRunner:
       raise ValueError(f"env_workers must be >= 1, got {env_workers}")
     self.engine, self.env, self.seed, self.timeout_s = engine, env, seed, timeout_s
     self.multi = is_multi_turn(env)
+    # process 0's env answers are every process's (an engine that does not say: one process)
+    self.agrees = bool(getattr(engine, "spans_processes", False))
     stops = tuple(t for t in env.stop_ids if t != env.tokenizer.eos_id)
     self.sampling = dataclasses.replace(sampling,
                                         stop_tokens=tuple(sampling.stop_tokens) + stops)
@@ -191,8 +202,10 @@ class EpisodeRunner:
       history, action = traj.completion_ids[:start], traj.completion_ids[start:]
       steps.append((traj, self._calls.submit(safe_step, self.env, task, history, action,
                                              timeout_s=self.timeout_s)))
-    for traj, future in steps:  # in the engine's order, whatever order they answered in
-      result = future.result()
+    results = [future.result() for _, future in steps]  # the engine's order
+    if self.agrees and results:
+      results = _agreed_steps(results)
+    for (traj, _), result in zip(steps, results):
       add_step_info(self._info[(traj.request_id, traj.sample_index)], result)
       self._after_env_step(traj, result)
 
@@ -238,7 +251,36 @@ def generate_groups(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, gr
         done[group.request_id] = group
   finally:
     runner.close()
-  return [done[first_request_id + i] for i in range(len(tasks))]
+  groups = [done[first_request_id + i] for i in range(len(tasks))]
+  if runner.agrees:
+    _agree_verdicts([t for g in groups for t in g.trajectories])
+  return groups
+
+
+def _agreed_steps(results: list[StepResult]) -> list[StepResult]:
+  """Process 0's env step results, on every process (a collective: all call it)."""
+  mine = json.dumps([{"obs": None if r.observation_ids is None
+                      else np.asarray(r.observation_ids).tolist(),
+                      "done": bool(r.done), "error": r.error,
+                      "info": {k: float(v) for k, v in r.info.items()}} for r in results])
+  theirs = json.loads(distributed.broadcast_bytes(
+      mine.encode() if distributed.is_primary() else None))
+  if len(theirs) != len(results):
+    raise RuntimeError(f"process 0 stepped {len(theirs)} episodes, this one {len(results)}: "
+                       "the processes drive the engine out of lockstep")
+  return [StepResult(None if r["obs"] is None else np.asarray(r["obs"], np.int32), r["done"],
+                     r["error"], r["info"]) for r in theirs]
+
+
+def _agree_verdicts(trajs: list[Trajectory]) -> None:
+  """Every trajectory's reward and outcome set to process 0's (a collective)."""
+  mine = json.dumps([[float(t.reward), t.outcome.value] for t in trajs])
+  theirs = json.loads(distributed.broadcast_bytes(
+      mine.encode() if distributed.is_primary() else None))
+  if len(theirs) != len(trajs):
+    raise RuntimeError(f"process 0 verified {len(theirs)} episodes, this one {len(trajs)}")
+  for t, (reward, outcome) in zip(trajs, theirs):
+    t.reward, t.outcome = reward, Outcome(outcome)
 
 
 def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
