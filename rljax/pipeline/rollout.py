@@ -259,28 +259,30 @@ def generate_groups(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, gr
 
 def _agreed_steps(results: list[StepResult]) -> list[StepResult]:
   """Process 0's env step results, on every process (a collective: all call it)."""
-  mine = json.dumps([{"obs": None if r.observation_ids is None
-                      else np.asarray(r.observation_ids).tolist(),
-                      "done": bool(r.done), "error": r.error,
-                      "info": {k: float(v) for k, v in r.info.items()}} for r in results])
-  theirs = json.loads(distributed.broadcast_bytes(
-      mine.encode() if distributed.is_primary() else None))
-  if len(theirs) != len(results):
-    raise RuntimeError(f"process 0 stepped {len(theirs)} episodes, this one {len(results)}: "
-                       "the processes drive the engine out of lockstep")
+  theirs = _process_0s([{"obs": None if r.observation_ids is None
+                         else np.asarray(r.observation_ids).tolist(),
+                         "done": bool(r.done), "error": r.error,
+                         "info": {k: float(v) for k, v in r.info.items()}} for r in results],
+                       "stepped")
   return [StepResult(None if r["obs"] is None else np.asarray(r["obs"], np.int32), r["done"],
                      r["error"], r["info"]) for r in theirs]
 
 
 def _agree_verdicts(trajs: list[Trajectory]) -> None:
   """Every trajectory's reward and outcome set to process 0's (a collective)."""
-  mine = json.dumps([[float(t.reward), t.outcome.value] for t in trajs])
-  theirs = json.loads(distributed.broadcast_bytes(
-      mine.encode() if distributed.is_primary() else None))
-  if len(theirs) != len(trajs):
-    raise RuntimeError(f"process 0 verified {len(theirs)} episodes, this one {len(trajs)}")
+  theirs = _process_0s([[float(t.reward), t.outcome.value] for t in trajs], "verified")
   for t, (reward, outcome) in zip(trajs, theirs):
     t.reward, t.outcome = reward, Outcome(outcome)
+
+
+def _process_0s(mine: list, did: str) -> list:
+  """Process 0's list (JSON values, one per episode) in place of this process's."""
+  theirs = json.loads(distributed.broadcast_bytes(
+      json.dumps(mine).encode() if distributed.is_primary() else None))
+  if len(theirs) != len(mine):
+    raise RuntimeError(f"process 0 {did} {len(theirs)} episodes, this one {len(mine)}: the "
+                       "processes drive the engine out of lockstep")
+  return theirs
 
 
 def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
