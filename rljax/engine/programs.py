@@ -136,6 +136,7 @@ class EnginePrograms:
   prefill: Any = dataclasses.field(init=False, repr=False)
   sample: Any = dataclasses.field(init=False, repr=False)
   copy: Any = dataclasses.field(init=False, repr=False)
+  _reshard: Any = dataclasses.field(init=False, repr=False, default=None)  # across processes
 
   def __post_init__(self):
     if self.steps_per_call < 1 or self.max_stop_tokens < 0:
@@ -160,6 +161,10 @@ class EnginePrograms:
       if sh is not None and distributed.spans_processes(sh.mesh):
         jitted = distributed.started_together(jitted, f"engine {name}", every_call=False)
       object.__setattr__(self, name, jitted)
+    if sh is not None and distributed.spans_processes(sh.mesh):
+      reshard = jax.jit(lambda p: p, out_shardings=param_shardings(cfg, sh))
+      object.__setattr__(self, "_reshard", distributed.started_together(
+          reshard, "engine weights", every_call=False))
 
   def _counted(self, name: str, fn):
     def traced(*args):
@@ -195,9 +200,14 @@ class EnginePrograms:
     """Params on the programs' shardings (unchanged without a sharding). Global arrays
     on another sharding of the same devices (the trainer's mesh and rules) move by
     device_put's jitted reshard, on device: from the training rules that is an all-gather
-    over fsdp, and no device holds more than its block."""
+    over fsdp, and no device holds more than its block. On a mesh across processes the
+    whole tree moves in one program, started together (device_put dispatches one program
+    per leaf, each with its own collectives: a job once hung for 600 s inside them, both
+    processes in the same device_put)."""
     if self.sharding is None:
       return params
+    if distributed.spans_processes(self.sharding.mesh):
+      return self._reshard(params)
     return jax.device_put(params, param_shardings(self.cfg, self.sharding))
 
   def decode_args(self, num_pages: int) -> tuple:
