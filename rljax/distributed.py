@@ -200,19 +200,20 @@ def spans_processes(mesh: jax.sharding.Mesh | None) -> bool:
   return len({d.process_index for d in mesh.devices.flat}) > 1
 
 
-def started_together(jitted: Callable, name: str, *, every_call: bool = True) -> Callable:
-  """`jitted` (a `jax.jit` function) whose calls start on every process at once when there
-  are several: the first call of each argument signature is compiled ahead of time (the
-  call then finds it compiled), every process meets at `barrier`, then all run it; later
-  calls meet there too (`every_call`) or just run. So no process reaches a program's
-  collectives 30 s after another for having compiled it (or, `every_call`, done its own
-  host work) more slowly. For programs on a mesh that `spans_processes`: every process
-  must make the same calls in the same order. One process: `jitted` itself, called."""
+def started_together(jitted: Callable, name: str, mesh: jax.sharding.Mesh | None, *,
+                     every_call: bool = True) -> Callable:
+  """`jitted` (a `jax.jit` function on `mesh`) whose calls start on every process at once:
+  the first call of each argument signature is compiled ahead of time (the call then finds
+  it compiled), every process meets at `barrier`, then all run it; later calls meet there
+  too (`every_call`) or just run. So no process reaches a program's collectives 30 s after
+  another for having compiled it (or, `every_call`, done its own host work) more slowly.
+  Every process must make the same calls in the same order. `jitted` itself when `mesh`
+  does not span processes (None, abstract, or one process's devices)."""
+  if not spans_processes(mesh):
+    return jitted
   compiled: set = set()
 
   def call(*args):
-    if jax.process_count() == 1:
-      return jitted(*args)
     leaves, treedef = jax.tree.flatten(args)
     signature = (treedef, tuple((np.shape(x), np.result_type(x), getattr(x, "sharding", None))
                                 for x in leaves))

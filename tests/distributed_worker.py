@@ -39,7 +39,7 @@ def main(port: str, process_id: int, mode: str) -> None:
   mesh = Mesh(np.array(jax.devices()), ("x",))
   warm = multihost_utils.process_allgather(np.full(3, process_id))  # both joined, Gloo up
   if mode == "late":
-    step = distributed.started_together(reduce_scatter(mesh), "late step")
+    step = distributed.started_together(reduce_scatter(mesh), "late step", mesh)
     x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
                                                np.ones(16, np.float32))
     if process_id == 1:

@@ -158,13 +158,12 @@ class EnginePrograms:
     for name, (fn, donate, ins, outs) in programs.items():
       shardings = {} if sh is None else {"in_shardings": ins, "out_shardings": outs}
       jitted = jax.jit(self._counted(name, fn), donate_argnums=donate, **shardings)
-      if sh is not None and distributed.spans_processes(sh.mesh):
-        jitted = distributed.started_together(jitted, f"engine {name}", every_call=False)
-      object.__setattr__(self, name, jitted)
+      object.__setattr__(self, name, distributed.started_together(
+          jitted, f"engine {name}", sh and sh.mesh, every_call=False))
     if sh is not None and distributed.spans_processes(sh.mesh):
-      reshard = jax.jit(lambda p: p, out_shardings=param_shardings(cfg, sh))
+      reshard = jax.jit(lambda p: p, out_shardings=params)
       object.__setattr__(self, "_reshard", distributed.started_together(
-          reshard, "engine weights", every_call=False))
+          reshard, "engine weights", sh.mesh, every_call=False))
 
   def _counted(self, name: str, fn):
     def traced(*args):
@@ -206,7 +205,7 @@ class EnginePrograms:
     processes in the same device_put)."""
     if self.sharding is None:
       return params
-    if distributed.spans_processes(self.sharding.mesh):
+    if self._reshard is not None:  # a mesh across processes
       return self._reshard(params)
     return jax.device_put(params, param_shardings(self.cfg, self.sharding))
 

@@ -178,9 +178,7 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    in_shardings=None if state_sharding is None else (state_sharding, None, None,
                                                                      None),
                    out_shardings=None if state_sharding is None else (state_sharding, None))
-  together = jitted
-  if sharding is not None and distributed.spans_processes(sharding.mesh):
-    together = distributed.started_together(jitted, "grpo step")
+  together = distributed.started_together(jitted, "grpo step", sharding and sharding.mesh)
 
   def run(state: TrainState, batches: TrainBatch, current_version: int = -1, *,
           base: Any = None):
@@ -206,7 +204,5 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                                 sharding=sharding, denominator=denominator)
     return _apply(state, optimizer, loss_fn, batches)
 
-  jitted = jax.jit(step, donate_argnums=(0,))
-  if sharding is not None and distributed.spans_processes(sharding.mesh):
-    return distributed.started_together(jitted, "sft step")
-  return jitted
+  return distributed.started_together(jax.jit(step, donate_argnums=(0,)), "sft step",
+                                     sharding and sharding.mesh)
