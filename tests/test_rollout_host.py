@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import chex
@@ -134,11 +135,31 @@ def test_episode_runner_adds_groups_while_others_run(tiny_cfg, tiny_params):
     runner.add(9, tasks[0], 0)
 
 
+class _CountingSlowEnv(envs.ArithmeticEnv):
+  """Each verify sleeps 0.25 s and counts how many verifies are running at once."""
+
+  def __init__(self):
+    super().__init__(max_digits=2, latency=envs.LatencyModel("lognormal", scale_s=0.25,
+                                                             shape=1e-6))
+    self._lock = threading.Lock()
+    self.in_flight = self.max_in_flight = self.calls = 0
+
+  def verify(self, task, completion_ids):
+    with self._lock:
+      self.in_flight += 1
+      self.calls += 1
+      self.max_in_flight = max(self.max_in_flight, self.in_flight)
+    try:
+      return super().verify(task, completion_ids)
+    finally:
+      with self._lock:
+        self.in_flight -= 1
+
+
 def test_env_calls_run_beside_the_engine_and_change_nothing(tiny_cfg, tiny_params):
-  # every verify sleeps 0.25 s: 16 samples verified one after another would take 4 s;
-  # on the runner's env threads they overlap, and the groups are the same as without delay
-  slow = envs.ArithmeticEnv(max_digits=2, latency=envs.LatencyModel(
-      "lognormal", scale_s=0.25, shape=1e-6))
+  # the runner's env threads overlap the 16 slow verifies (one after another they would
+  # take 4 s), and the groups are the same as without delay
+  slow = _CountingSlowEnv()
   fast = envs.ArithmeticEnv(max_digits=2)
   tasks = fast.prompts("train", 4, seed=0)
   sp = sampling_params(small_config())
@@ -147,9 +168,8 @@ def test_env_calls_run_beside_the_engine_and_change_nothing(tiny_cfg, tiny_param
   want = generate_groups(make(), fast, tasks, group_size=4, sampling=sp, seed=3)
   engine = make()
   generate_groups(engine, fast, tasks, group_size=4, sampling=sp, seed=3)  # compile
-  t0 = time.perf_counter()
   got = generate_groups(engine, slow, tasks, group_size=4, sampling=sp, seed=3)
-  assert time.perf_counter() - t0 < 2.0
+  assert slow.calls == 16 and slow.max_in_flight > 1, (slow.calls, slow.max_in_flight)
   for g, w in zip(got, want):
     assert_same_group(g.trajectories, w.trajectories)
   with pytest.raises(ValueError, match="env_workers"):
@@ -199,9 +219,8 @@ def test_host_serves_the_queue_bitwise_follows_the_stream_and_stops_on_done():
     assert_same_group(got, want[i].trajectories)
 
   store.write(DONE_KEY, b"done")
-  t0 = time.monotonic()
-  assert host.run(max_seconds=30) == "done"
-  assert time.monotonic() - t0 < 5 and not host.run_once()
+  assert host.run(max_seconds=30) == "done"  # the done key, not the 30 s limit
+  assert not host.run_once()
   status = json.loads(store.read(status_key("h0")))
   assert status["host_id"] == "h0" and status["incarnation"] == host.client.incarnation
   assert [a[0] for a in status["applied"]] == [0, 1]
