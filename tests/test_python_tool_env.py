@@ -153,10 +153,9 @@ def test_limits_are_applied():
                     ("print(len(bytearray(10**9)))",
                      "<obs>memory limit: memoryerror: more than ...</obs>"),
                     ("print(10**3000)", "<obs>output limit: killed: stdout passed 1...</obs>")):
-    t0 = time.monotonic()
     step = tight.step(task, EMPTY, ids(f"<calc>{code}</calc>"))
-    assert obs_text(step) == out, code
-    assert step.info == {"tool_calls": 1, "tool_errors": 1} and time.monotonic() - t0 < 8.0
+    assert obs_text(step) == out, code  # this limit, not the 8 s wall-time one
+    assert step.info == {"tool_calls": 1, "tool_errors": 1}
   slow = envs.PythonToolEnv(limits=dict(wall_s=1.0, cpu_s=5.0), max_obs_tokens=40)
   step = slow.step(task, EMPTY, ids("<calc>while 1:pass</calc>"))
   # the wall-time kill comes first when the CPU limit is further away
