@@ -265,6 +265,35 @@ def test_arithmetic_partial_credit():
     envs.ArithmeticEnv(partial_credit=1.0)
 
 
+def test_arithmetic_little_endian():
+  """Numbers least-significant digit first in the prompt and the answer; only the exact
+  reversed digits succeed."""
+  env = envs.ArithmeticEnv(min_digits=3, max_digits=3, little_endian=True)
+  big_endian = envs.ArithmeticEnv(min_digits=3, max_digits=3)
+  for le, be in zip(env.prompts("train", 20, seed=3), big_endian.prompts("train", 20, seed=3)):
+    a, b = le.data["operands"]
+    assert le.data == be.data and le.split_key == be.split_key  # same tasks, same splits
+    assert le.task_id == f"{str(a)[::-1]}+{str(b)[::-1]}=" and le.answer == be.answer[::-1]
+  task = next(t for t in env.prompts("train", 200, seed=0) if t.data["result"] % 10 == 0)
+  right = task.answer  # starts with "0": the result's trailing zero, written first
+  cases = {right: Outcome.SUCCESS,
+           " " + right + " ": Outcome.SUCCESS,
+           right[::-1]: Outcome.MODEL_FAILURE,  # the usual order is wrong here
+           right + "0": Outcome.MODEL_FAILURE,  # "0" more: a leading zero, not the digits
+           right[1:]: Outcome.MODEL_FAILURE,
+           "-" + right: Outcome.MODEL_FAILURE,
+           right[:1] + "a" + right[1:]: Outcome.MODEL_FAILURE}
+  for text, outcome in cases.items():
+    assert env.verify(task, ids(text + "<eos>")).outcome == outcome, text
+  np.testing.assert_array_equal(env.sft_target(task).completion_ids, ids(right + "<eos>"))
+  credit = envs.ArithmeticEnv(min_digits=3, max_digits=3, little_endian=True,
+                              partial_credit=0.5)
+  one_off = str((int(right[0]) + 1) % 10) + right[1:]  # the units digit wrong
+  width = len(right)
+  assert credit.verify(task, ids(one_off + "<eos>")).reward == pytest.approx(
+      0.5 * (width - 1) / width)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 127), max_size=30), st.integers(0, 2))
 def test_verifiers_never_raise_on_model_ids(completion, which):

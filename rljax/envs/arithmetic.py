@@ -8,6 +8,12 @@ c x (digit positions that match the result, aligned from the units digit) / (pos
 the longer of the two): a dense signal for tasks no sample of a group solves (the outcome
 stays model_failure, so pass@k is unchanged).
 
+`little_endian=True` writes every number least-significant digit first, in the prompt and
+in the answer ("<bos>21+43=" asks 12+34, "64<eos>" answers 46): the format in which a small
+transformer adds digit by digit, carries flowing left to right as it writes. The answer
+must then be the result's digits reversed exactly (leading zeros of the reversed text are
+the result's trailing ones: 100 is "001").
+
 Difficulty knobs: digits per operand (uniform in [min_digits, max_digits], then the
 operand uniform among numbers of that many digits; 1 digit includes 0) and the operation
 set. The split key sorts the operands (both ops commute), so "12+34" and "34+12" are
@@ -21,6 +27,7 @@ import re
 import numpy as np
 
 from rljax.envs.base import BaseEnv, SFTTarget, Task, Verdict
+from rljax.rl.trajectory import Outcome
 
 OPS = ("+", "*")
 _MAX_ANSWER_DIGITS = 64
@@ -55,6 +62,15 @@ def check_int_answer(text: str | None, expected: int) -> Verdict:
   return Verdict.success(answer=text)
 
 
+def _from_little_endian(text: str | None) -> str | None:
+  """The answer's digits in the usual order; text that is not a bare digit string is left
+  as it is (check_int_answer calls it malformed)."""
+  if text is None:
+    return None
+  stripped = text.strip()
+  return stripped[::-1] if stripped.isdigit() and stripped.isascii() else text
+
+
 def digit_match_fraction(answer: str, expected: int) -> float:
   """Positions, aligned from the units digit, where the answer's characters equal the
   result's, over the positions of the longer of the two (a sign counts as a position)."""
@@ -68,7 +84,8 @@ class ArithmeticEnv(BaseEnv):
   name = "arithmetic"
 
   def __init__(self, *, min_digits: int = 1, max_digits: int = 2,
-               ops: tuple[str, ...] = ("+",), partial_credit: float = 0.0, **kwargs):
+               ops: tuple[str, ...] = ("+",), partial_credit: float = 0.0,
+               little_endian: bool = False, **kwargs):
     super().__init__(**kwargs)
     if not 0.0 <= partial_credit < 1.0:
       raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
@@ -78,21 +95,31 @@ class ArithmeticEnv(BaseEnv):
       raise ValueError(f"ops must be a non-empty subset of {OPS}")
     self.min_digits, self.max_digits, self.ops = min_digits, max_digits, tuple(ops)
     self.partial_credit = partial_credit
+    self.little_endian = bool(little_endian)
+
+  def _written(self, n: int) -> str:
+    """A number as prompts and answers write it."""
+    return str(n)[::-1] if self.little_endian else str(n)
 
   def _sample(self, rng: np.random.Generator) -> Task:
     a = draw_operand(rng, self.min_digits, self.max_digits)
     b = draw_operand(rng, self.min_digits, self.max_digits)
     op = self.ops[int(rng.integers(len(self.ops)))]
     result = a + b if op == "+" else a * b
-    text = f"{a}{op}{b}="
+    text = f"{self._written(a)}{op}{self._written(b)}="
     return Task(self.name, text, canonical_key((a, b), (op,)), self._prompt_ids(text),
-                str(result), {"operands": (a, b), "op": op, "result": result})
+                self._written(result), {"operands": (a, b), "op": op, "result": result})
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
     text = self._answer_text(completion_ids)
     if isinstance(text, Verdict):
       return text
+    if self.little_endian:
+      text = _from_little_endian(text)
     verdict = check_int_answer(text, task.data["result"])
+    if self.little_endian and verdict.outcome == Outcome.SUCCESS and text.strip() != str(
+        task.data["result"]):  # exact digits only: "0010" is not 100 written backwards
+      verdict = Verdict.model_failure("wrong", answer=text.strip())
     if self.partial_credit and verdict.info.get("reason") == "wrong":
       fraction = digit_match_fraction(verdict.info["answer"], task.data["result"])
       return Verdict.model_failure("wrong", reward=self.partial_credit * fraction,
