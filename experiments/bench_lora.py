@@ -41,6 +41,7 @@ def config(lora_rank: int | None) -> ml_collections.ConfigDict:
   c = arith_tiny.get_config()
   c.sft.steps = 0
   c.log.tensorboard = False
+  c.rl.kl_to_start = False  # the update alone, as measured before rl.kl_to_start existed
   if lora_rank:
     c.lora = ml_collections.ConfigDict(dict(rank=lora_rank, alpha=2.0 * lora_rank,
                                             targets=DEFAULT_TARGETS))

@@ -62,7 +62,8 @@ def rljax_config(total_steps):
   config = arith_tiny.get_config()
   config.model.update(dict(mlp_only_layers=(), moe_intermediate_size=MOE_WIDTH))
   config.rl.update(dict(prompts_per_step=PROMPTS, group_size=SAMPLES, max_new_tokens=NEW_TOKENS,
-                        num_tasks=NUM_TASKS, steps=total_steps))
+                        num_tasks=NUM_TASKS, steps=total_steps,
+                        kl_to_start=False))  # TRL's side has no reference model (beta 0)
   config.engine.num_slots = PROMPTS * SAMPLES
   config.sft.steps = 0
   config.log.tensorboard = False

@@ -258,8 +258,12 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
     step = learner.make_grpo_step(cfg, optimizer, numerics=numerics,
                                   loss_cfg=learner.LossConfig(), sharding=train_sh,
                                   state_sharding=state_sharding)
+  # rl.kl_to_start: the step also takes the start policy's params (serving dtype, laid out
+  # like the serving params of the train state)
+  reference = serving_train if built.loss and built.kl_to_start else None
   train, _ = lower_and_compile(step.jitted,
-                               (state, batch, jax.ShapeDtypeStruct((), jnp.int32), None),
+                               (state, batch, jax.ShapeDtypeStruct((), jnp.int32), None,
+                                reference),
                                platform=platform, mesh_size=mesh_size, compile_=compile_)
   train.update(rows_per_microbatch=rows, row_len=row_len, microbatches=microbatches,
                microbatch_tokens=rows * row_len, router_replay=replay)
@@ -289,7 +293,8 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
       "params_f32": state.params, "params_bf16_train": serving_train,
       "adam_mu": opt_parts["mu"], "adam_nu": opt_parts["nu"],
       "counts": (opt_parts["other"], state.step),
-      "train_batch": batch, "params_bf16_serving": serving, "kv_pages": (pool, pool),
+      "train_batch": batch, "kl_reference_bf16": reference,  # None: 0 bytes
+      "params_bf16_serving": serving, "kv_pages": (pool, pool),
       "lora_adapters_f32": lora_state.params, "lora_adam": (lora_opt["mu"], lora_opt["nu"]),
       "lora_counts": (lora_opt["other"], lora_state.step)}
   per_device = {k: tree_bytes(v) for k, v in parts.items()}
@@ -345,6 +350,7 @@ def table(report: dict) -> str:
           ("trainer, LoRA: adam mu + nu", "lora_adam"),
           ("trainer, LoRA: base bf16 + state", "lora_train_state"),
           ("trainer: one step's batch", "train_batch"),
+          ("trainer: kl_to_start reference bf16", "kl_reference_bf16"),
           ("engine: params bf16", "params_bf16_serving"),
           ("engine: KV pages (k + v)", "kv_pages"),
           ("engine: params + KV", "engine"))
@@ -368,7 +374,8 @@ def table(report: dict) -> str:
                "come on top):")
   for chip, budget in BUDGETS.items():
     fits = [f"{who} {need / budget:.0%}" for who, need in
-            (("engine", d["engine"]), ("trainer", d["train_state"] + d["train_batch"]),
+            (("engine", d["engine"]),
+             ("trainer", d["train_state"] + d["train_batch"] + d["kl_reference_bf16"]),
              (f"LoRA r{report['lora']['rank']} trainer",
               d["lora_train_state"] + d["train_batch"]))]
     lines.append(f"  {chip} ({budget / 1e9:.0f} GB): " + ", ".join(fits))

@@ -101,6 +101,29 @@ def test_group_staleness_is_trainer_version_minus_oldest_sampling_version():
   assert group_staleness(7, [traj([-1])]) == 0  # nothing sampled: nothing stale
 
 
+def test_the_kl_reference_is_saved_once_and_restored_bitwise(tmp_path):
+  # rl.kl_to_start (arith_tiny's) in the async trainer: the start policy is saved beside
+  # the checkpoints when a run starts and restored by --resume (the KL stays to the start)
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.model import init_params  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import async_loop  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import ASYNC_TRAINER, build  # pylint: disable=import-outside-toplevel
+  built = build(arith_tiny.get_config(), ASYNC_TRAINER)
+  assert built.kl_to_start
+  start = jax.tree.map(lambda x: x.astype(built.cfg.weight_dtype),
+                       init_params(built.cfg, jax.random.key(3), jnp.float32))
+  with pytest.raises(FileNotFoundError, match="kl_to_start=False"):
+    async_loop.restore_reference(str(tmp_path), built)
+  async_loop.save_reference(str(tmp_path), start)
+  restored = async_loop.restore_reference(str(tmp_path), built)
+  for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(restored)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(FileExistsError, match="start policy"):
+    async_loop.save_reference(str(tmp_path), start)
+
+
 def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version(tmp_path):
   # Trainer + 2 host processes on a gs:// root; deterministic numerics with KV recomputed
   # on weight updates: every trained token's behaviour log-prob equals the trainer's

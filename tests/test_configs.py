@@ -135,7 +135,7 @@ BAD_VALUES = [
     ("rl.group_size", 1, r"config.rl.group_size must be >= 2"),
     ("rl.overlong", "truncate", r"config.rl.overlong must be one of \['score', 'mask', "
      r"'drop'\] \(what training does with an episode cut by the context\), not 'truncate'"),
-    ("rl.loss.kl_coef", 0.1, r"config.rl.loss.kl_coef must be 0"),
+    ("rl.loss.kl_coef", -0.1, r"config.rl.loss.kl_coef must be >= 0"),
     ("rl.loss.entropy_coef", 0.01, r"config.rl.loss.entropy_coef must be 0"),
     ("rl.microbatches", 0, r"config.rl.prompts_per_step and config.rl.microbatches must be >= 1"),
     ("rl.microbatches", 3, r"config.rl.microbatches=3 does not divide the 256 packed rows"),
@@ -162,6 +162,28 @@ def test_build_names_a_bad_value_before_any_model_work(field, value, message):
   node[key] = value
   with pytest.raises(ConfigError, match=message):
     build(config, ASYNC_TRAINER)
+
+
+def test_kl_coef_needs_the_reference_policy_of_kl_to_start():
+  fix = (r"config.rl.loss.kl_coef must be 0 without a reference policy: set "
+         r"config.rl.kl_to_start = True")
+  for absent in (False, True):  # rl.kl_to_start False, or not in the config at all
+    config = arith_tiny.get_config()
+    config.rl.loss.kl_coef = 0.05
+    if absent:
+      del config.rl["kl_to_start"]
+    else:
+      config.rl.kl_to_start = False
+    with pytest.raises(ConfigError, match=fix):
+      build(config, ASYNC_TRAINER)
+  config = arith_tiny.get_config()
+  config.rl.loss.kl_coef = 0.05
+  assert config.rl.kl_to_start
+  built = build(config, ASYNC_TRAINER)
+  assert built.kl_to_start and built.loss.kl_coef == 0.05
+  del config.rl["kl_to_start"]  # absent: off
+  config.rl.loss.kl_coef = 0.0
+  assert not build(config, ASYNC_TRAINER).kl_to_start
 
 
 @pytest.mark.parametrize("loop", ["lockstep", "async"])

@@ -194,3 +194,64 @@ def test_grpo_step_on_an_8_device_mesh_matches_one_device():
     for bug, err in e["bug_grad_rel_err"].items():
       assert err > 0.3 > GRAD_REL_TOL[name], (name, bug, err)  # the measure sees a bug
   assert "fsdp" in out["fsdp8"]["gate_spec"]
+
+
+def test_grpo_step_logs_entropy_and_a_kl_to_the_start_that_is_zero_there(tiny_cfg, tiny_params,
+                                                                         rollouts):
+  """rl.kl_to_start: the step scores the batch with the frozen start policy (the serving
+  cast of the masters it started from). On the first step the policy is that policy: in
+  deterministic numerics the trainer's forward of the f32 masters has the bits of the
+  forward of their bf16 cast (the contract mismatch_max_abs == 0 checks), so every token's
+  log-ratio is exactly 0 and k3(0) = 0: kl is 0.0, not just small. After updates it is > 0.
+  The entropy is the policy's at the sampling temperature: in (0, log V]."""
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(1e-3)
+  state = learner.init_state(tiny_params, opt)
+  start = learner.serving_params(state, tiny_cfg)  # a new array: the masters move on
+  step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig(),
+                                reference=True)
+  batch = split_microbatches(_batch(tiny_cfg, trajs, adv), 1)
+  with pytest.raises(ValueError, match="ref_params"):
+    step(state, batch)
+  kls = []
+  for _ in range(3):
+    state, metrics = step(state, batch, ref_params=start)
+    kls.append(float(metrics["kl"]))
+    assert 0.0 < float(metrics["entropy"]) <= np.log(tiny_cfg.vocab_size)
+  assert float(metrics["mismatch_max_abs"]) > 0  # the batch is off-policy after updates
+  assert kls[0] == 0.0
+  assert kls[1] > 0 and kls[2] > 0, kls
+  # reference=False holds and runs no reference: no kl metric, ref_params refused
+  plain = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig())
+  with pytest.raises(ValueError, match="reference=True"):
+    plain(state, batch, ref_params=start)
+  with pytest.raises(ValueError, match="reference"):
+    learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig(kl_coef=0.1))
+
+
+def test_kl_coef_adds_the_kl_penalty_to_the_loss_and_its_gradient(tiny_cfg, tiny_params,
+                                                                  rollouts):
+  """Away from the start (a reference 1% off the policy), kl_coef > 0 adds kl_coef * kl to
+  the loss (one microbatch, token mean) and changes the gradient; kl_coef = 0 only logs it."""
+  trajs, adv = rollouts
+  opt = learner.make_optimizer(1e-3)
+  rng = np.random.default_rng(5)
+  reference = jax.tree.map(lambda x: jnp.asarray(
+      (np.asarray(x, np.float32) * (1 + 1e-2 * rng.standard_normal(x.shape))).astype(
+          np.float32)).astype(x.dtype), tiny_params)
+  batch = split_microbatches(_batch(tiny_cfg, trajs, adv), 1)
+  out = {}
+  for coef in (0.0, 0.5):
+    step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET,
+                                  loss_cfg=LossConfig(kl_coef=coef), reference=True)
+    out[coef] = step(learner.init_state(tiny_params, opt), batch, ref_params=reference)
+  (_, m0), (new1, m1) = out[0.0], out[0.5]
+  kl = float(m0["kl"])
+  assert kl > 0
+  np.testing.assert_allclose(float(m1["kl"]), kl, rtol=1e-6)  # the same forwards
+  assert float(m0["loss"]) == float(m0["pg_loss"])
+  np.testing.assert_allclose(float(m1["loss"]) - float(m1["pg_loss"]), 0.5 * kl, rtol=1e-5)
+  assert float(m1["grad_norm"]) != float(m0["grad_norm"])
+  new0 = out[0.0][0]
+  assert any(bool(np.any(np.asarray(a) != np.asarray(b)))
+             for a, b in zip(jax.tree.leaves(new0.params), jax.tree.leaves(new1.params)))

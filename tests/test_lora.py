@@ -234,6 +234,9 @@ def test_a_lockstep_lora_run_trains_adapters_on_its_frozen_base_with_zero_mismat
   grpo = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r["phase"] == "grpo"]
   assert len(grpo) == 2 and all(r["mismatch_tokens"] > 0 for r in grpo)
   assert all(r["mismatch_max_abs"] == 0.0 and not r["skipped"] for r in grpo)
+  # arith_tiny's rl.kl_to_start: a LoRA run's reference is the base itself, and fresh
+  # adapters (B = 0) are the base bit for bit: kl 0.0 on the first step
+  assert grpo[0]["kl"] == 0.0 and grpo[0]["entropy"] > 0
   cfg = build(config, ("model", "mesh"), devices=False).cfg
   init = init_sharded(cfg, config.seed, None, dtype=jnp.float32)
   with Checkpointer(summary["final_params"], keep_last=1) as ckpt:

@@ -310,6 +310,61 @@ def test_the_collapse_alarm_fires_on_a_fall_from_the_best_not_on_noise():
   assert alarm.best == 0.8 and alarm.max_fall == 0.75 - 0.39 and alarm.alarms == 1
 
 
+def test_the_collapse_alarm_fires_on_a_fall_from_the_start():
+  """The collapse that motivated the monitors: held-out pass@1 0.57 -> 0.24 within 40 steps
+  (evaluations every 10; it never rose above its start, so best = start)."""
+  from rljax.pipeline.metrics import FallAlarm  # pylint: disable=import-outside-toplevel
+  alarm = FallAlarm(threshold=0.15)
+  seen = [alarm.update(p) for p in (0.57, 0.55, 0.46, 0.33, 0.24)]
+  assert [s["collapse_alarm"] for s in seen] == [0, 0, 0, 1, 1]
+  np.testing.assert_allclose([s["pass1_fall_from_start"] for s in seen],
+                             [0.0, 0.02, 0.11, 0.24, 0.33], atol=1e-12)
+  assert alarm.start == 0.57 and alarm.alarms == 2
+  healthy = FallAlarm(threshold=0.15)  # rises, with evaluation noise of a few hundredths
+  assert not any(healthy.update(p)["collapse_alarm"]
+                 for p in (0.57, 0.62, 0.60, 0.68, 0.66, 0.74, 0.71, 0.78))
+
+
+def _success_fracs(start, end, steps, noise, seed):
+  """Sampled success fractions of `steps` updates of 256 episodes (arith_tiny's 16 x 16),
+  linear from `start` to `end`, each a binomial draw plus group-correlated noise."""
+  rng = np.random.default_rng(seed)
+  p = np.clip(np.linspace(start, end, steps) + noise * rng.standard_normal(steps), 0, 1)
+  return rng.binomial(256, p) / 256
+
+
+def test_the_train_collapse_alarm_fires_on_a_collapsing_success_rate_not_on_noise():
+  from rljax.pipeline.metrics import SuccessFallAlarm  # pylint: disable=import-outside-toplevel
+  # sampled success 0.41 -> 0.04 over 40 updates (exactly linear): the 10-update mean falls
+  # 0.15 below its first window's (0.36) 27 updates in
+  alarm = SuccessFallAlarm(threshold=0.15, window=10)
+  seen = [alarm.update(x) for x in np.linspace(0.41, 0.04, 41)[1:]]
+  fired = [i + 1 for i, s in enumerate(seen) if s["train_collapse_alarm"]]
+  assert fired[0] == 27 and fired == list(range(27, 41)), fired
+  assert all(s["success_fall_from_start"] == 0.0 for s in seen[:10])  # no start yet
+  np.testing.assert_allclose(alarm.start, np.mean(np.linspace(0.41, 0.04, 41)[1:11]))
+  assert alarm.alarms == 14
+  np.testing.assert_allclose(seen[-1]["success_frac_avg"],
+                             np.mean(np.linspace(0.41, 0.04, 41)[31:]))
+  np.testing.assert_allclose(alarm.max_fall, alarm.start - seen[-1]["success_frac_avg"])
+  # the same collapse with sampling noise (5 seeds): it fires, by update 30
+  for seed in range(5):
+    noisy = SuccessFallAlarm(threshold=0.15, window=10)
+    alarms = [noisy.update(x)["train_collapse_alarm"]
+              for x in _success_fracs(0.41, 0.04, 40, 0.03, seed)]
+    assert 1 in alarms[:30], seed
+  # a flat noisy run (0.41 +- binomial and 0.03 per update; 200 updates, 5 seeds) never does
+  for seed in range(5):
+    flat = SuccessFallAlarm(threshold=0.15, window=10)
+    assert not any(flat.update(x)["train_collapse_alarm"]
+                   for x in _success_fracs(0.41, 0.41, 200, 0.03, seed)), seed
+    assert flat.alarms == 0 and flat.max_fall < 0.1
+  # a rising run never does either (its fall from the start is negative)
+  rising = SuccessFallAlarm(threshold=0.15, window=10)
+  falls = [rising.update(x)["success_fall_from_start"] for x in np.linspace(0.4, 0.9, 50)]
+  assert rising.alarms == 0 and falls[-1] < 0
+
+
 def test_grpo_experiment_end_to_end(fast_run):
   workdir, fast = fast_run
   for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass4_after", "steps",
@@ -317,7 +372,14 @@ def test_grpo_experiment_end_to_end(fast_run):
     assert key in fast, key
   evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if r["phase"] == "eval"]
   assert "collapse_alarm" not in evals[0]  # the random model's score is no baseline
-  assert all("pass1_fall_from_best" in r for r in evals[1:])
+  assert all("pass1_fall_from_best" in r and "pass1_fall_from_start" in r for r in evals[1:])
+  grpo = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if r["phase"] == "grpo"]
+  for r in grpo:  # the collapse monitors of every update
+    for key in ("entropy", "kl", "success_frac_avg", "success_fall_from_start",
+                "train_collapse_alarm"):
+      assert key in r, key
+  assert grpo[0]["kl"] < 1e-3  # the start policy (fast numerics: not bitwise)
+  assert "train_collapse_alarms" in fast
   assert fast["steps"] == 3 and fast["numerics"] == "fast"
   for f in ("metrics.jsonl", "reward_curve.png", "sft_checkpoint", "final_params"):
     assert (workdir / f).exists(), f

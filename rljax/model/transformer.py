@@ -28,6 +28,8 @@ class ForwardOutput:
   logprobs: jax.Array | None  # [B, T] f32 log p(targets), when targets were given
   routing: jax.Array | None  # [B, T, num_moe_layers, k] int32 chosen expert ids
   kv: attention.PagedKV | None  # the updated cache, when one was given
+  # [B, T] f32 entropy of softmax(logits / temperature) per position, when asked for
+  entropy: jax.Array | None = None
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, numerics: Numerics) -> jax.Array:
@@ -159,7 +161,7 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
             cfg: ModelConfig, numerics: Numerics = FAST,
             segment_ids: jax.Array | None = None, kv: attention.PagedKV | None = None,
             routing: jax.Array | None = None, targets: jax.Array | None = None,
-            temperature: float = 1.0,
+            temperature: float = 1.0, entropy: bool = False,
             sharding: sharding_lib.Sharding | None = None) -> ForwardOutput:
   """The model, for every caller.
 
@@ -174,6 +176,10 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   cfg must be resolved (`cfg.resolved(backend, numerics)`: no "auto" backend choice).
   targets: [B, T] token ids; when given, returns their log-probs under logits / temperature
   (the engine's sampling temperature) instead of logits.
+  entropy: also return the per-position entropy [B, T] of softmax(logits / temperature)
+  (`ForwardOutput.entropy`, f32), from the same f32 log-softmax the log-probs are taken
+  from (the numerics' exp and sum): one more elementwise pass over [B, T, V], and the
+  log-probs' bits do not change (tested bitwise).
   """
   cfg.check_resolved()
   dt = cfg.compute_dtype
@@ -194,13 +200,25 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   head = (params["embed"]["embedding"].T if cfg.tie_word_embeddings
           else params["lm_head"]["kernel"])
   logits = numerics.matmul(x, _weight(sharding, head, ("embed", "vocab")))
-  logprobs = None
-  if targets is not None:
+  logprobs = ent = None
+  if targets is not None or entropy:
     logp = numerics.log_softmax(logits / temperature)
-    logprobs = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    logits = None
+    if entropy:
+      ent = token_entropy(logp, numerics)
+    if targets is not None:
+      logprobs = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+      logits = None
   new_kv = None if kv is None else attention.PagedKV(*pools, kv.page_table)
-  return ForwardOutput(logits=logits, logprobs=logprobs, routing=routes, kv=new_kv)
+  return ForwardOutput(logits=logits, logprobs=logprobs, routing=routes, kv=new_kv,
+                       entropy=ent)
+
+
+def token_entropy(logp: jax.Array, numerics: Numerics = FAST) -> jax.Array:
+  """-sum_v p_v log p_v over the last axis of f32 log-probs [..., V] (a -inf log-prob,
+  p = 0, adds nothing)."""
+  finite = jnp.isfinite(logp)
+  logp = jnp.where(finite, logp, 0.0)
+  return -numerics.sum(jnp.where(finite, numerics.exp(logp) * logp, 0.0))
 
 
 def _scanned_layers(stacks, x, cos, sin, pools, page_table, routing, ctx):

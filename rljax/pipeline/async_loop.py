@@ -24,6 +24,9 @@ a keyframe). The queue resumes from its own state (`QueueOwner.open`): no group 
 trained twice. Groups trained after the checkpoint lost their update with the dead
 trainer: their tasks go back into the queue as new groups.
 
+rl.kl_to_start: the start policy the step measures the KL to is saved once beside the
+checkpoints (`kl_reference`; config.lora: the base is that policy) and restored on resume.
+
 config.lora (rljax.pipeline.adapter_stream): GRPO trains adapters on a frozen base, and
 each version of the stream is the adapters' f32 masters, not a merged model; the base goes
 out once, as `<root>/base/`, and is saved once beside the checkpoints (`lora_base`), which
@@ -68,6 +71,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+from etils import epath
 import jax
 import ml_collections
 import numpy as np
@@ -85,6 +89,38 @@ from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
 from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
 from rljax.sync.store import Store
+
+
+REFERENCE_CHECKPOINT = "kl_reference"
+
+
+def reference_dir(trainer_dir: str) -> str:
+  """Where a `rl.kl_to_start` trainer (full fine-tuning) saves its start policy: beside its
+  `checkpoints`."""
+  return f"{str(trainer_dir).rstrip('/')}/{REFERENCE_CHECKPOINT}"
+
+
+def save_reference(trainer_dir: str, reference: Any) -> None:
+  """A fresh `rl.kl_to_start` run's start policy (serving dtype), saved once: a resumed
+  trainer keeps measuring the KL to it. Call on every trainer process."""
+  directory = reference_dir(trainer_dir)
+  if epath.Path(directory).exists():
+    raise FileExistsError(f"{directory} holds an earlier run's start policy but there is no "
+                          "checkpoint to resume: use a fresh workdir and root")
+  with Checkpointer(directory, keep_last=1, async_save=False) as ckpt:
+    ckpt.save(0, {"params": reference}, stream_version=0)
+
+
+def restore_reference(trainer_dir: str, built: Built) -> Any:
+  """The start policy `save_reference` saved, onto the trainer's mesh."""
+  directory = reference_dir(trainer_dir)
+  if not epath.Path(directory).exists():
+    raise FileNotFoundError(f"{directory} is missing: config.rl.kl_to_start needs the start "
+                            "policy saved beside the checkpoints (was this run started "
+                            "without it? resume with --config.rl.kl_to_start=False)")
+  with Checkpointer(directory, keep_last=1) as ckpt:
+    return ckpt.restore({"params": adapter_stream.base_target(built.cfg, built.sharding)}
+                        ).state["params"]
 
 
 def group_staleness(version: int, trajs: list[Trajectory]) -> int:
@@ -210,6 +246,8 @@ class AsyncTrainer:
       evals.append(self.evaluate(0, "init"))
       self.extra |= core.warm_start(run, f"{self.dir.rstrip('/')}/sft_checkpoint", progress)
       self.grpo = core.grpo_learner(run)
+      if self.grpo.ref_params is not None and self.lora is None:  # (LoRA's: the base)
+        save_reference(self.dir, self.grpo.ref_params)
       self.publisher = self._stream_publisher()
       if self.publisher.version is not None:
         raise ValueError(f"{self.root} already holds a stream but {run.log.workdir} has no "
@@ -258,9 +296,13 @@ class AsyncTrainer:
       raise ValueError(f"{self.dir} holds a config.lora run's checkpoints (its frozen base "
                        f"{adapter_stream.base_checkpoint_dir(self.dir)}): resume it with the "
                        "config.lora block it ran with")
-    fresh = core.grpo_learner(run, base=base)
+    reference = None  # rl.kl_to_start: the policy the run started from (LoRA's: the base)
+    if run.built.kl_to_start and self.lora is None:
+      reference = restore_reference(self.dir, run.built)
+    fresh = core.grpo_learner(run, base=base, reference=reference)
     restored = self.ckpt.restore({"state": fresh.state})
-    self.grpo = core.grpo_learner(run, state=restored.state["state"], base=base)
+    self.grpo = core.grpo_learner(run, state=restored.state["state"], base=base,
+                                  reference=reference)
     run.state = self.grpo.state
     self.updates = restored.step
     self.publisher = self._stream_publisher()
@@ -417,7 +459,9 @@ class AsyncTrainer:
     self.totals["ttb_s"].append(ttb)
     self.totals["staleness"].append(float(staleness.mean()) if len(staleness) else 0.0)
     self.totals["train_s"] += train_s
-    record = metrics | core.rollout_stats(self.sampled) | {
+    stats = core.rollout_stats(self.sampled)
+    record = metrics | stats | core.train_collapse(self.run, self.run.version,
+                                                   stats["success_frac"]) | {
         "ttb_s": ttb, "trainer_stall_s": ttb, "train_s": train_s,
         "staleness_mean": self.totals["staleness"][-1],
         "staleness_max": int(staleness.max()) if len(staleness) else 0,

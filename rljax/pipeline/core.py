@@ -38,7 +38,8 @@ from rljax.model import lora as lora_lib
 from rljax.model.hf_import import load_hf_params
 from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, sampled_key, success_rate
-from rljax.pipeline.metrics import FallAlarm, MetricsLogger, NullLogger, RunningMax
+from rljax.pipeline.metrics import (FallAlarm, MetricsLogger, NullLogger, RunningMax,
+                                    SuccessFallAlarm)
 from rljax.pipeline.rollout import episode_info_means
 from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
@@ -72,6 +73,11 @@ def params_only(params: Any) -> learner.TrainState:
 # says otherwise: healthy runs of the recipe study fell at most 0.08 (evaluation noise
 # included); the collapse that started it fell 0.36
 COLLAPSE_FALL = 0.15
+# the training signal's alarm (metrics.SuccessFallAlarm), unless config.rl.collapse_fall /
+# config.rl.collapse_window say otherwise: the moving average of the sampled success
+# fraction over this many updates, this far below its first full window's
+TRAIN_COLLAPSE_FALL = 0.15
+TRAIN_COLLAPSE_WINDOW = 10
 
 
 @dataclasses.dataclass
@@ -91,6 +97,10 @@ class Run:
   mismatch: RunningMax = dataclasses.field(default_factory=RunningMax)
   # held-out pass@1 from the warm start on
   heldout_fall: FallAlarm = dataclasses.field(default_factory=lambda: FallAlarm(COLLAPSE_FALL))
+  # the sampled success fraction of every update (process 0 logs it; a resumed async
+  # trainer starts it afresh: its start is the first full window after the resume)
+  train_fall: SuccessFallAlarm = dataclasses.field(
+      default_factory=lambda: SuccessFallAlarm(TRAIN_COLLAPSE_FALL, TRAIN_COLLAPSE_WINDOW))
   timings: dict = dataclasses.field(default_factory=lambda: {"rollout_s": 0.0, "train_s": 0.0})
 
   config = property(lambda self: self.built.config)
@@ -135,8 +145,11 @@ def setup(built: Built, workdir: str, *, engine: bool = True) -> Run:
          if jax.process_index() == 0 else NullLogger(workdir))
   log.write("run", 0, {"params": count_params(params), "devices": jax.device_count(),
                        "processes": jax.process_count()})
+  rl = config.rl if "rl" in config else ml_collections.ConfigDict()
   return Run(built, heldout, decode, state, serve, log,
-             heldout_fall=FallAlarm(config.eval.get("collapse_fall", COLLAPSE_FALL)))
+             heldout_fall=FallAlarm(config.eval.get("collapse_fall", COLLAPSE_FALL)),
+             train_fall=SuccessFallAlarm(rl.get("collapse_fall", TRAIN_COLLAPSE_FALL),
+                                         rl.get("collapse_window", TRAIN_COLLAPSE_WINDOW)))
 
 
 def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
@@ -151,12 +164,26 @@ def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
   if name != "init":  # the random model's score is no baseline
     out |= run.heldout_fall.update(out["pass1"])
     if out["collapse_alarm"]:
-      logging.warning("step %d: held-out pass@1 %.3f is %.3f below its best %.3f: is the "
-                      "policy collapsing? (see sampled_nll_mean, mismatch_max_abs, ratio_max "
-                      "in metrics.jsonl)", step, out["pass1"], out["pass1_fall_from_best"],
-                      run.heldout_fall.best)
+      logging.warning("step %d: held-out pass@1 %.3f is %.3f below its best %.3f (%.3f "
+                      "below its start %.3f): is the policy collapsing? (see entropy, kl, "
+                      "sampled_nll_mean, mismatch_max_abs, ratio_max in metrics.jsonl)",
+                      step, out["pass1"], out["pass1_fall_from_best"], run.heldout_fall.best,
+                      out["pass1_fall_from_start"], run.heldout_fall.start)
   run.log.write("eval", step, out)
   return out | {"name": name}
+
+
+def train_collapse(run: Run, step: int, success_frac: float) -> dict:
+  """One update's sampled success fraction into the training signal's collapse alarm
+  (`run.train_fall`); its record fields. Warns the first time it fires."""
+  out = run.train_fall.update(success_frac)
+  if out["train_collapse_alarm"] and run.train_fall.alarms == 1:
+    logging.warning("step %d: the sampled success fraction's %d-update mean %.3f is %.3f "
+                    "below its start %.3f: is the policy collapsing? (see entropy, kl, "
+                    "sampled_nll_mean, ratio_max in metrics.jsonl)", step,
+                    run.train_fall.window, out["success_frac_avg"],
+                    out["success_fall_from_start"], run.train_fall.start)
+  return out
 
 
 def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
@@ -265,19 +292,35 @@ class GrpoLearner:
   step_fn: Callable
   advantages: Callable
   state_sharding: learner.TrainState | None
+  # rl.kl_to_start: the frozen start policy (serving dtype) the step scores against
+  ref_params: Any = None
 
 
 def grpo_learner(run: Run, state: learner.TrainState | None = None, *,
-                 base: Any = None) -> GrpoLearner:
+                 base: Any = None, reference: Any = None) -> GrpoLearner:
   """The optimizer, train state (fresh from run.state's params, or `state`: a restored
   one) and jitted step of `rl`. `config.lora`: the state is the adapters' (fresh ones, or
   the restored `state`) on a frozen base: `base` (the one a restored state trained on),
-  or run.state's serving params; run.state becomes the adapters' state."""
+  or run.state's serving params; run.state becomes the adapters' state.
+
+  `rl.kl_to_start`: the step also gets the start policy, frozen: run.state's serving
+  params now (full fine-tuning; `reference`: the one a restored state started from), or
+  with config.lora the base itself (the policy of fresh adapters, bit for bit; no copy).
+  One more bf16 copy of the model (full fine-tuning) and one more forward per update."""
   c = run.config.rl
   optimizer = run.built.rl_optimizer()
   lora = run.built.lora
+  kl_to_start = run.built.kl_to_start
   if lora is None and base is not None:
     raise ValueError("a frozen base is for config.lora runs only")
+  if reference is not None and (lora is not None or not kl_to_start):
+    raise ValueError("a reference policy is for config.rl.kl_to_start runs without "
+                     "config.lora only (config.lora: the reference is the base)")
+  if kl_to_start and lora is None and reference is None:
+    if state is not None:
+      raise ValueError("config.rl.kl_to_start: a restored state needs the start policy it "
+                       "trained against (reference=...)")
+    reference = run.serve(run.state)  # a new array: the state's masters move on
   if lora is not None:
     if state is not None and base is None:
       raise ValueError("config.lora: restored adapters need the frozen base they trained on "
@@ -303,9 +346,13 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None, *,
   step_fn = run.built.grpo_step(optimizer, state_sharding)
   if lora is not None:
     step_fn = functools.partial(step_fn, base=base)
+    if kl_to_start:
+      reference = base
+  if reference is not None:
+    step_fn = functools.partial(step_fn, ref_params=reference)
   advantages = jax.jit(lambda rewards, group_ids, valid: group_advantages(
       rewards, group_ids, valid, kind=c.advantage, num_groups=c.prompts_per_step))
-  return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding)
+  return GrpoLearner(optimizer, state, step_fn, advantages, state_sharding, reference)
 
 
 def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
@@ -452,6 +499,9 @@ def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> di
       "mismatch_tokens": run.mismatch.tokens,
       "heldout_max_fall": run.heldout_fall.max_fall,
       "collapse_alarms": run.heldout_fall.alarms,
+      # updates whose sampled success moving average was down by rl.collapse_fall
+      "train_collapse_alarms": run.train_fall.alarms,
+      "train_max_success_fall": run.train_fall.max_fall,
       "rollout_s": round(run.timings["rollout_s"], 1),
       "train_s": round(run.timings["train_s"], 1),
       "wall_s": round(wall_s, 1),

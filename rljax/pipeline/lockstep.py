@@ -70,7 +70,9 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
     run.engine.update_weights(run.serve(run.state), run.version)
     run.timings["rollout_s"] += t1 - t0
     run.timings["train_s"] += t2 - t1
-    record = run.log.write("grpo", run.version, metrics | core.rollout_stats(sampled) | {
+    stats = core.rollout_stats(sampled)
+    record = run.log.write("grpo", run.version, metrics | stats | {
+        **core.train_collapse(run, run.version, stats["success_frac"]),
         "groups_sampled": len(sampled) // c.group_size,
         "rollout_s": t1 - t0, "train_s": t2 - t1,
         "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})

@@ -20,7 +20,8 @@ checkpoint keeps its tokenizer). `env.name` is a registered env or an import pat
 
 Values a run would only trip over later (at its first update, evaluation or checkpoint,
 after the model is loaded) are checked here too: the advantage estimator, the loss's
-KL and entropy coefficients (the GRPO step has neither term's input), the engine's
+KL coefficient (needs `rl.kl_to_start`: the GRPO step's reference policy) and entropy
+coefficient (the step logs the entropy, never differentiates it), the engine's
 weight-update policy, group and microbatch sizes against the packed rows, eval.k <= eval.n,
 engine.max_seq_len against the model's positions.
 """
@@ -158,10 +159,16 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
     if rl.group_size < 2:
       raise ConfigError(f"config.rl.group_size must be >= 2 (a group's baseline needs two "
                         f"samples), not {rl.group_size}")
-    for key, missing in (("kl_coef", "a reference policy"), ("entropy_coef", "entropies")):
-      if rl.loss[key]:
-        raise ConfigError(f"config.rl.loss.{key} must be 0: the GRPO step computes no "
-                          f"{missing}")
+    kl_coef = rl.loss.get("kl_coef", 0.0)
+    if kl_coef and not kl_to_start(config):
+      raise ConfigError(f"config.rl.loss.kl_coef must be 0 without a reference policy: set "
+                        f"config.rl.kl_to_start = True (the KL to the policy GRPO starts "
+                        f"from), or kl_coef = 0 (not {kl_coef})")
+    if kl_coef < 0:
+      raise ConfigError(f"config.rl.loss.kl_coef must be >= 0, not {kl_coef}")
+    if rl.loss.get("entropy_coef", 0.0):
+      raise ConfigError("config.rl.loss.entropy_coef must be 0: the GRPO step logs the "
+                        "policy's entropy but computes no gradient through it")
     if rl.prompts_per_step < 1 or rl.microbatches < 1:
       raise ConfigError("config.rl.prompts_per_step and config.rl.microbatches must be >= 1, "
                         f"not {rl.prompts_per_step} and {rl.microbatches}")
@@ -179,6 +186,13 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
         raise ConfigError(f"config.async_rl.{key} must be >= 1, not {a[key]}")
     if a.max_staleness < 0:
       raise ConfigError(f"config.async_rl.max_staleness must be >= 0, not {a.max_staleness}")
+
+
+def kl_to_start(config: ml_collections.ConfigDict) -> bool:
+  """`config.rl.kl_to_start` (optional, absent = False): the GRPO step also scores each
+  batch with the frozen params it started from (logged `kl`; `rl.loss.kl_coef` > 0
+  penalises it)."""
+  return bool(config.rl.get("kl_to_start", False)) if "rl" in config else False
 
 
 def rows_for(num_seqs: int, max_seq_len: int, row_len: int, page_size: int) -> int:
@@ -365,6 +379,12 @@ class Built:
       return None
     return lora_lib.LoraConfig.from_dict(self.config.lora.to_dict())
 
+  @property
+  def kl_to_start(self) -> bool:
+    """`config.rl.kl_to_start`: the GRPO step takes the start policy's params
+    (`ref_params=`) and logs the KL to it."""
+    return kl_to_start(self.config)
+
   def make_engine(self, params: Any, *, version: int = 0, weight_update: str = "keep",
                   sharding: sharding_lib.Sharding | None = None) -> DecodeEngine:
     e = self.config.engine
@@ -419,7 +439,8 @@ class Built:
                                   loss_cfg=self.loss, replay=c.router_replay,
                                   temperature=c.temperature,
                                   sharding=sharding or self.sharding,
-                                  state_sharding=state_sharding, lora=self.lora)
+                                  state_sharding=state_sharding, lora=self.lora,
+                                  reference=self.kl_to_start)
 
 
 def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,

@@ -95,15 +95,26 @@ def merged_params(base: Any, adapters: Any, lora: lora_lib.LoraConfig) -> Any:
 
 
 def _grpo_microbatch_loss(params, mb: TrainBatch, current_version, *, cfg, numerics,
-                          loss_cfg, replay, sharding, temperature, denominator):
+                          loss_cfg, replay, sharding, temperature, denominator,
+                          ref_params=None):
   # f32 masters go in: every use casts to the compute dtype (the serving params' bits) and
   # the gradients come back in f32 (rljax.numerics.matmul)
+  routing = mb.routing if replay else None
   out = forward(params, mb.tokens, mb.positions, cfg=cfg, numerics=numerics,
                 segment_ids=mb.segment_ids, targets=mb.targets, temperature=temperature,
-                routing=mb.routing if replay else None, sharding=sharding)
+                routing=routing, entropy=True, sharding=sharding)
+  ref_logprobs = None
+  if ref_params is not None:  # the frozen start policy: forward only, routed alike
+    ref_logprobs = lax.stop_gradient(forward(
+        ref_params, mb.tokens, mb.positions, cfg=cfg, numerics=numerics,
+        segment_ids=mb.segment_ids, targets=mb.targets, temperature=temperature,
+        routing=routing, sharding=sharding).logprobs)
+  # the entropy is logged, not trained on (rl.loss.entropy_coef is 0: run.py)
   loss, metrics = policy_loss(out.logprobs, None, mb.behaviour_logprobs, mb.advantages,
                               mb.loss_mask, cfg=loss_cfg, valid=mb.valid, seq_ids=mb.seq_ids,
-                              num_seqs=mb.advantages.shape[0], loss_denominator=denominator)
+                              num_seqs=mb.advantages.shape[0], loss_denominator=denominator,
+                              entropy=lax.stop_gradient(out.entropy),
+                              ref_logprobs=ref_logprobs)
   on = mb.loss_mask & (mb.seq_ids >= 0)
   # only tokens sampled with the weights trained on now (-1: every token)
   on &= (current_version < 0) | (mb.versions == current_version)
@@ -119,6 +130,11 @@ def _sft_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, sharding, den
                segment_ids=mb.segment_ids, targets=mb.targets, sharding=sharding).logprobs
   nll = -jnp.sum(jnp.where(mb.loss_mask, lp, 0.0)) / denominator
   return nll, {"nll": nll}
+
+
+# policy_loss's per-microbatch token means that the step reports as means over all of its
+# loss tokens (a microbatch without loss tokens reports 0 and weighs nothing)
+TOKEN_MEANS = frozenset({"entropy", "kl"})
 
 
 def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
@@ -141,6 +157,10 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
                          jax.tree.map(keep, opt_state, state.opt_state),
                          state.step + finite.astype(jnp.int32))
   out = {k: jnp.mean(v) for k, v in metrics.items()}
+  if "masked_token_count" in metrics:  # token means over the whole batch's loss tokens
+    n = metrics["masked_token_count"]
+    for k in TOKEN_MEANS & set(metrics):
+      out[k] = jnp.sum(metrics[k] * n) / jnp.maximum(jnp.sum(n), 1.0)
   if "mismatch_max_abs" in metrics:
     out["mismatch_max_abs"] = jnp.max(metrics["mismatch_max_abs"])
     out["mismatch_tokens"] = jnp.sum(metrics["mismatch_tokens"])
@@ -152,39 +172,57 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    numerics: Numerics, loss_cfg: LossConfig, replay: bool = True,
                    temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
                    state_sharding: TrainState | None = None,
-                   lora: lora_lib.LoraConfig | None = None):
-  """Jitted `(state, microbatches[, current_version][, base=]) -> (state, metrics)`; the
-  state is donated (with `lora`, `base` is the frozen base params, not donated).
+                   lora: lora_lib.LoraConfig | None = None, reference: bool = False):
+  """Jitted `(state, microbatches[, current_version][, base=][, ref_params=]) -> (state,
+  metrics)`; the state is donated (with `lora`, `base` is the frozen base params, not
+  donated).
 
   `microbatches` is a TrainBatch whose leaves carry a leading microbatch axis
   (`split_microbatches`). The token-mean denominator is the whole batch's loss-token count.
   `current_version` (the version of the params in `state`; -1 = unknown) limits
   `mismatch_max_abs` to the tokens that version sampled (`mismatch_tokens` of them): in an
   async run older tokens differ by design (their behaviour is another policy).
+
+  Metrics include `entropy`, the token mean of the policy's entropy per loss token (at
+  `temperature`; data, never differentiated). `reference`: the step takes `ref_params`,
+  a frozen reference policy (serving dtype, not donated; `rl.kl_to_start`: the params GRPO
+  started from), scores each microbatch with it (one more forward, no backward, router
+  replay as the policy's) and reports `kl`, the k3 estimate of KL(pi_theta || pi_ref) per
+  loss token; `loss_cfg.kl_coef` != 0 adds it to the loss. Without `reference` no
+  reference params are held or run.
   """
-  def step(state: TrainState, batches: TrainBatch, current_version, base):
+  if loss_cfg.entropy_coef:
+    raise ValueError("the GRPO step logs the entropy as data (no gradient through it): "
+                     "entropy_coef must be 0")
+  if loss_cfg.kl_coef and not reference:
+    raise ValueError("kl_coef != 0 needs a reference policy: make_grpo_step(reference=True)")
+
+  def step(state: TrainState, batches: TrainBatch, current_version, base, ref_params):
     denominator = jnp.maximum(jnp.sum(batches.loss_mask & (batches.seq_ids >= 0)), 1)
     if loss_cfg.aggregation != "token_mean":
       denominator = None  # sequence means per microbatch, summed (one microbatch = exact)
     loss_fn = functools.partial(_grpo_microbatch_loss, current_version=current_version,
                                 cfg=cfg, numerics=numerics, loss_cfg=loss_cfg, replay=replay,
                                 sharding=sharding, temperature=temperature,
-                                denominator=denominator)
+                                denominator=denominator, ref_params=ref_params)
     if lora is not None:
       loss_fn = _on_merged(loss_fn, base, lora)
     return _apply(state, optimizer, loss_fn, batches)
 
   jitted = jax.jit(step, donate_argnums=(0,),
                    in_shardings=None if state_sharding is None else (state_sharding, None, None,
-                                                                     None),
+                                                                     None, None),
                    out_shardings=None if state_sharding is None else (state_sharding, None))
   together = distributed.started_together(jitted, "grpo step", sharding and sharding.mesh)
 
   def run(state: TrainState, batches: TrainBatch, current_version: int = -1, *,
-          base: Any = None):
+          base: Any = None, ref_params: Any = None):
     if (base is None) != (lora is None):
       raise ValueError("a LoRA step takes the frozen base params (base=...), and only it")
-    return together(state, batches, np.int32(current_version), base)
+    if (ref_params is None) == reference:
+      raise ValueError("a step made with reference=True takes the reference policy's params "
+                       "(ref_params=...), and only it")
+    return together(state, batches, np.int32(current_version), base, ref_params)
 
   run.jitted = jitted  # for ahead-of-time lowering (experiments/aot_check.py)
   return run
