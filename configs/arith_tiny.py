@@ -101,6 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
   # reward), "mask" (in its group's baseline, no gradient: DAPO's overlong filtering) or
   # "drop" (like an infra failure)
   c.rl.overlong = "score"
+  c.rl.signal_scaled_updates = False
   c.rl.kl_to_start = True  # logs kl to the start policy: +1 forward/update, no backward
   c.rl.loss = ml_collections.ConfigDict(dict(
       clip_low=0.2, clip_high=0.28, aggregation="token_mean", max_tokens=None, tis=True,

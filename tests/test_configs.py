@@ -5,6 +5,7 @@ import inspect
 import pathlib
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -236,3 +237,18 @@ def test_no_pipeline_module_imports_one_above_it():
         imported.add(node.module.split(".")[2])
     above = {m for m in imported if pipeline.LAYERS.index(m) >= pipeline.LAYERS.index(name)}
     assert not above, f"rljax/pipeline/{name}.py imports {sorted(above)} (above it)"
+
+
+def test_lr_schedule_without_warmup_starts_at_the_learning_rate():
+  """warmup_steps 0: the first update has the full rate (a constant-lr recipe such as
+  TRL's can be matched), with or without the cosine decay; a warmup starts from 0."""
+  from rljax.pipeline.run import lr_schedule  # pylint: disable=g-import-not-at-top
+  block = lambda warmup, final: ml_collections.ConfigDict(dict(  # noqa: E731
+      learning_rate=2e-4, warmup_steps=warmup, final_lr_frac=final))
+  constant = lr_schedule(block(0, 1.0), 100)
+  assert [float(constant(i)) for i in (0, 1, 99, 500)] == pytest.approx([2e-4] * 4)
+  decayed = lr_schedule(block(0, 0.05), 100)
+  assert float(decayed(0)) == pytest.approx(2e-4) and float(decayed(100)) == pytest.approx(1e-5)
+  warm = lr_schedule(block(20, 0.05), 100)
+  assert float(warm(0)) == 0.0 and float(warm(20)) == pytest.approx(2e-4)
+  assert float(warm(100)) == pytest.approx(1e-5)

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
@@ -255,3 +256,76 @@ def test_kl_coef_adds_the_kl_penalty_to_the_loss_and_its_gradient(tiny_cfg, tiny
   new0 = out[0.0][0]
   assert any(bool(np.any(np.asarray(a) != np.asarray(b)))
              for a, b in zip(jax.tree.leaves(new0.params), jax.tree.leaves(new1.params)))
+
+
+def test_skip_empty_is_adamw_on_the_steps_with_a_gradient():
+  """make_optimizer(skip_empty=True): bitwise AdamW over the steps whose gradient is not
+  all zero; the all-zero steps move nothing and leave Adam's state, while the learning-rate
+  schedule goes on counting every step."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+  schedule = lambda count: 1e-2 * (count + 1.0)  # noqa: E731
+  skip = learner.make_optimizer(schedule, weight_decay=0.1, skip_empty=True)
+  grads = [jax.tree.map(lambda p, i=i: jnp.asarray(rng.standard_normal(p.shape), p.dtype)
+                        * (i % 3 != 1), params) for i in range(7)]  # steps 1 and 4: zero
+  p, s = params, skip.init(params)
+  p_ref, s_ref = params, None
+  for i, g in enumerate(grads):
+    u, s = skip.update(g, s, p)
+    p = optax.apply_updates(p, u)
+    if i % 3 == 1:
+      chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, u))
+      continue
+    # the reference: AdamW that only ever saw the steps with a gradient, at this step's lr
+    ref = learner.make_optimizer(lambda _, i=i: schedule(i), weight_decay=0.1)
+    s_ref = ref.init(params) if s_ref is None else s_ref
+    u_ref, s_ref = ref.update(g, s_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u_ref)
+    chex.assert_trees_all_equal(p, p_ref)
+  # with a gradient every step, skip_empty is plain AdamW (optax.adamw) bit for bit
+  plain, adamw = learner.make_optimizer(1e-2), optax.chain(optax.clip_by_global_norm(1.0),
+                                                           optax.adamw(1e-2, weight_decay=0.0))
+  sa, sb = plain.init(params), adamw.init(params)
+  for g in grads[::3]:
+    ua, sa = plain.update(g, sa, params)
+    ub, sb = adamw.update(g, sb, params)
+    chex.assert_trees_all_equal(ua, ub)
+
+
+def test_update_scale_multiplies_the_optimizer_update():
+  """_apply's update_scale (the signal fraction of make_grpo_step(scale_by_signal=True))
+  scales the update and nothing else: the optimizer state is the unscaled run's."""
+  params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
+  loss_fn = lambda p, mb: (jnp.sum((p["w"] - mb) ** 2), {})  # noqa: E731
+  batches = jnp.asarray([[0.5, 0.5, 0.5], [1.0, 0.0, -1.0]], jnp.float32)
+  opt = learner.make_optimizer(0.1)
+  full, _ = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches)
+  part, _ = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches,
+                           jnp.float32(0.25))
+  # lr 0.1 on weights of order 1: the updates are far above the weights' ulp
+  np.testing.assert_allclose(np.asarray(part.params["w"]) - np.asarray(params["w"]),
+                             0.25 * (np.asarray(full.params["w"]) - np.asarray(params["w"])),
+                             rtol=1e-5)
+  chex.assert_trees_all_equal(part.opt_state, full.opt_state)
+
+
+def test_signal_fraction_counts_valid_samples_with_an_advantage(tiny_cfg, tiny_params,
+                                                                rollouts):
+  trajs, adv = rollouts
+  n = len(trajs)
+  some = adv.copy()
+  some[: n // 2] = 0.0
+  valid = np.ones(n, bool)
+  valid[-1] = False  # an infra failure: neither signal nor a sample that counts
+  batch = split_microbatches(_batch(tiny_cfg, trajs, some, valid), 1)
+  assert float(learner.signal_fraction(batch)) == pytest.approx((n - n // 2 - 1) / (n - 1))
+  # a batch without any advantage: the step moves nothing and leaves Adam's state
+  opt = learner.make_optimizer(1e-3, skip_empty=True)
+  state = learner.init_state(tiny_params, opt)
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig(),
+                                scale_by_signal=True)
+  new, metrics = step(state, split_microbatches(_batch(tiny_cfg, trajs, 0 * adv), 1))
+  assert float(metrics["signal_fraction"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, (new.params, new.opt_state)), before)

@@ -188,6 +188,13 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
       raise ConfigError(f"config.async_rl.max_staleness must be >= 0, not {a.max_staleness}")
 
 
+def signal_scaled(config: ml_collections.ConfigDict) -> bool:
+  """`config.rl.signal_scaled_updates` (optional, absent = False): each GRPO update times
+  the share of its samples that have an advantage, and none (params and Adam's moments
+  untouched) when no sample has one (rljax.rl.learner.make_optimizer / make_grpo_step)."""
+  return bool(config.rl.get("signal_scaled_updates", False)) if "rl" in config else False
+
+
 def kl_to_start(config: ml_collections.ConfigDict) -> bool:
   """`config.rl.kl_to_start` (optional, absent = False): the GRPO step also scores each
   batch with the frozen params it started from (logged `kl`; `rl.loss.kl_coef` > 0
@@ -351,12 +358,17 @@ def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
 
 
 def lr_schedule(c: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
-  """Linear warmup to c.learning_rate; then constant (final_lr_frac 1) or cosine decay to
-  learning_rate * final_lr_frac at `steps`."""
+  """Linear warmup from 0 over c.warmup_steps updates (none: the first update already has
+  c.learning_rate); then constant (final_lr_frac 1) or cosine decay to learning_rate *
+  final_lr_frac at `steps`."""
+  if c.warmup_steps <= 0:
+    if c.final_lr_frac == 1.0:
+      return optax.constant_schedule(c.learning_rate)
+    return optax.cosine_decay_schedule(c.learning_rate, max(steps, 1), alpha=c.final_lr_frac)
   if c.final_lr_frac == 1.0:
-    return optax.linear_schedule(0.0, c.learning_rate, max(c.warmup_steps, 1))
+    return optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
   return optax.warmup_cosine_decay_schedule(
-      0.0, c.learning_rate, max(c.warmup_steps, 1), max(steps, c.warmup_steps + 1),
+      0.0, c.learning_rate, c.warmup_steps, max(steps, c.warmup_steps + 1),
       end_value=c.learning_rate * c.final_lr_frac)
 
 
@@ -428,7 +440,8 @@ class Built:
   def rl_optimizer(self) -> optax.GradientTransformation:
     c = self.config.rl
     return learner.make_optimizer(lr_schedule(c, c.steps), weight_decay=c.weight_decay,
-                                  clip_norm=c.clip_norm, b2=c.adam_b2)
+                                  clip_norm=c.clip_norm, b2=c.adam_b2,
+                                  skip_empty=signal_scaled(self.config))
 
   def grpo_step(self, optimizer: optax.GradientTransformation,
                 state_sharding: learner.TrainState | None = None,
@@ -440,7 +453,8 @@ class Built:
                                   temperature=c.temperature,
                                   sharding=sharding or self.sharding,
                                   state_sharding=state_sharding, lora=self.lora,
-                                  reference=self.kl_to_start)
+                                  reference=self.kl_to_start,
+                                  scale_by_signal=signal_scaled(self.config))
 
 
 def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,

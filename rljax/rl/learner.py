@@ -44,10 +44,42 @@ class TrainState:
   step: jax.Array  # int32 applied updates
 
 
-def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0, clip_norm: float = 1.0,
-                   b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay))
+def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
+                   clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.999,
+                   skip_empty: bool = False) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW. `skip_empty`: a step whose gradient is exactly zero
+  (a GRPO batch in which no sample has an advantage) moves nothing: Adam's moments and
+  count stay as they were, while the learning-rate schedule still advances with the step.
+  Plain Adam would keep moving on such steps on the momentum of the last batch that had a
+  signal (and its second moment, decaying towards zero, would make the next signal's step
+  larger): from a sharp start, where most batches tie, a single sample's gradient then
+  moves every parameter by several learning rates (experiments/study_vs_trl.py)."""
+  direction = optax.chain(optax.scale_by_adam(b1=b1, b2=b2),
+                          optax.add_decayed_weights(weight_decay))
+  if skip_empty:
+    direction = _skip_without_gradient(direction)
+  return optax.chain(optax.clip_by_global_norm(clip_norm), direction,
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def _skip_without_gradient(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`inner`, except that an all-zero gradient gives a zero update and leaves its state."""
+
+  def update(grads, state, params=None):
+    signal = optax.tree.norm(grads) > 0
+    updates, new_state = inner.update(grads, state, params)
+    updates = jax.tree.map(lambda u: jnp.where(signal, u, jnp.zeros_like(u)), updates)
+    return updates, jax.tree.map(lambda new, old: jnp.where(signal, new, old), new_state, state)
+
+  return optax.GradientTransformation(inner.init, update)
+
+
+def signal_fraction(batches: TrainBatch) -> jax.Array:
+  """The share of the batch's trainable samples (valid) whose advantage is not zero."""
+  valid = jnp.asarray(batches.valid, bool)
+  signal = valid & (jnp.asarray(batches.advantages) != 0)
+  return jnp.sum(signal.astype(jnp.float32)) / jnp.maximum(jnp.sum(valid.astype(jnp.float32)),
+                                                           1.0)
 
 
 def init_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
@@ -137,8 +169,9 @@ def _sft_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, sharding, den
 TOKEN_MEANS = frozenset({"entropy", "kl"})
 
 
-def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
-  """Accumulates gradients over the microbatch axis, then applies them if finite."""
+def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch, update_scale=None):
+  """Accumulates gradients over the microbatch axis, then applies them if finite (times
+  `update_scale`, a traced scalar, when given)."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def body(acc, mb):
@@ -151,6 +184,8 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch):
   grad_norm = global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  if update_scale is not None:
+    updates = jax.tree.map(lambda u: u * update_scale.astype(u.dtype), updates)
   params = optax.apply_updates(state.params, updates)
   keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
   new_state = TrainState(jax.tree.map(keep, params, state.params),
@@ -172,7 +207,8 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    numerics: Numerics, loss_cfg: LossConfig, replay: bool = True,
                    temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
                    state_sharding: TrainState | None = None,
-                   lora: lora_lib.LoraConfig | None = None, reference: bool = False):
+                   lora: lora_lib.LoraConfig | None = None, reference: bool = False,
+                   scale_by_signal: bool = False):
   """Jitted `(state, microbatches[, current_version][, base=][, ref_params=]) -> (state,
   metrics)`; the state is donated (with `lora`, `base` is the frozen base params, not
   donated).
@@ -190,6 +226,13 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
   replay as the policy's) and reports `kl`, the k3 estimate of KL(pi_theta || pi_ref) per
   loss token; `loss_cfg.kl_coef` != 0 adds it to the loss. Without `reference` no
   reference params are held or run.
+
+  `scale_by_signal`: the optimizer's update is multiplied by the share of the batch's
+  trainable samples that have an advantage (`signal_fraction`, logged as
+  `signal_fraction`), so a batch in which one group of sixteen has a signal moves the
+  params a sixteenth of what a batch whose every group has one does. Adam normalises the
+  gradient's size away: without this, one sample's gradient moves every parameter as far
+  as a whole batch's would.
   """
   if loss_cfg.entropy_coef:
     raise ValueError("the GRPO step logs the entropy as data (no gradient through it): "
@@ -207,7 +250,10 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                                 denominator=denominator, ref_params=ref_params)
     if lora is not None:
       loss_fn = _on_merged(loss_fn, base, lora)
-    return _apply(state, optimizer, loss_fn, batches)
+    fraction = signal_fraction(batches)
+    state, metrics = _apply(state, optimizer, loss_fn, batches,
+                            fraction if scale_by_signal else None)
+    return state, metrics | {"signal_fraction": fraction}
 
   jitted = jax.jit(step, donate_argnums=(0,),
                    in_shardings=None if state_sharding is None else (state_sharding, None, None,
