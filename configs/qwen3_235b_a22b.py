@@ -3,8 +3,9 @@
 Qwen3-30B-A3B's architecture (configs/qwen3_30b_a3b.py) at the larger shape, with a
 256-chip mesh plan and a 16-chip rollout host (`engine`: experts split 16 ways, 44 GiB of
 weights + KV a chip): `model`, `mesh` and `engine` only, for the AOT check (no env, rl or
-async_rl blocks yet). `get_config("tiny")` is qwen3_30b_a3b's tiny variant (the same architecture
-shrunk to run on a CPU).
+async_rl blocks yet). `get_config("tiny")` / `get_config("tiny_random")` are qwen3_30b_a3b's
+tiny variants (the blocks shrunk to run on a CPU; a checkpoint's architecture, or
+tiny_moe's randomly initialised).
 """
 
 import ml_collections
@@ -14,7 +15,7 @@ from configs import qwen3_30b_a3b
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   c = qwen3_30b_a3b.get_config(variant)
-  if variant == "tiny":
+  if variant in ("tiny", "tiny_random"):
     return c
   c = ml_collections.ConfigDict(dict(name="qwen3_235b_a22b", seed=c.seed,
                                      numerics=c.numerics, model=c.model))

@@ -9,8 +9,9 @@ with GRPO on your JSONL and reward function; every block of the async pipeline.
 tokenizer) with --config.init_from=hf:DIR. The tokenizer is that directory's
 (`tokenizer.path = ""`), every machine needs the directory (rollout hosts read its
 config.json and tokenizer; weights reach them through the stream). `config.model` is the
-architecture of Qwen/Qwen3-30B-A3B's config.json, which init_from must agree with (another
-Qwen3-MoE checkpoint: set the fields the error names, e.g. --config.model.rope_theta=).
+architecture of Qwen/Qwen3-30B-A3B's config.json, which init_from must agree with (a
+checkpoint of another shape: one error names every field that differs; the `:tiny` variant
+pins none).
 The AOT check needs no checkpoint: `experiments/aot_check.py --config=configs/qwen3_30b_a3b.py
 --config.init_from=` lowers config.model's shape.
 
@@ -20,14 +21,24 @@ or \\boxed{} answers). Your data: --config.env.kwargs.path=... (and prompt_field
 answer_field, reward_fn="package.module:function"); rl.num_tasks and eval.num_tasks are
 sized for the example's 59 train / 11 held-out rows.
 
-`get_config("tiny")`: the same blocks shrunk to run on a CPU, from a tiny random
-Qwen3-MoE that `examples/make_tiny_hf_checkpoint.py DIR` writes with transformers (and a
-byte-level BPE tokenizer): --config=configs/qwen3_30b_a3b.py:tiny --config.init_from=hf:DIR.
+The stop tokens (`tokenizer.stop_tokens = ()`) are the tokenizer's EOS and the
+`eos_token_id`s of the checkpoint's generation_config.json (Qwen3: <|im_end|>, <|endoftext|>).
+
+`get_config("tiny")`: the same blocks shrunk to run on a CPU, for any Qwen3-MoE checkpoint:
+config.model sets only backend fields, and its architecture fields are placeholders
+(None): init_from's config.json sets them (one given on the command line,
+--config.model.rope_theta=..., must agree with it). `examples/make_tiny_hf_checkpoint.py DIR`
+writes a tiny random one with transformers (and a byte-level BPE tokenizer):
+--config=configs/qwen3_30b_a3b.py:tiny --config.init_from=hf:DIR.
+`get_config("tiny_random")`: the tiny blocks without a checkpoint (`init_from = ""`), on
+`tiny_architecture()` (tiny_moe's shape with the example tokenizer's 512 ids): what
+make_tiny_hf_checkpoint.py writes and the AOT check plans.
 """
 
 import os
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import tiny_moe
 
@@ -35,9 +46,12 @@ EXAMPLE_ROWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "examples", "gsm_tiny", "train.jsonl")
 
 
+VARIANTS = ("full", "tiny", "tiny_random")
+
+
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
-  if variant not in ("full", "tiny"):
-    raise ValueError(f"unknown variant {variant!r}; use 'full' or 'tiny'")
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r}; use one of {list(VARIANTS)}")
   c = ml_collections.ConfigDict()
   c.name = "qwen3_30b_a3b"
   c.seed = 0
@@ -54,7 +68,7 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
       tie_word_embeddings=False, max_position_embeddings=40960, page_size=16,
       dtype="bfloat16", param_dtype="bfloat16", remat=True))
   c.tokenizer = ml_collections.ConfigDict(dict(
-      kind="hf", path="", chat_template=True, stop_tokens=("<|im_end|>", "<|endoftext|>")))
+      kind="hf", path="", chat_template=True, stop_tokens=()))
   c.env = ml_collections.ConfigDict()
   c.env.name = "dataset"
   c.env.kwargs = ml_collections.ConfigDict(dict(
@@ -117,19 +131,36 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
       hosts=0, host_groups=8, max_staleness=1, lease_s=1800.0, lease_ttl_s=120.0, poll_s=1.0,
       keyframe_every=10, checkpoint_every=10, check_versions_groups=0, weight_update="keep",
       batch_timeout_s=3600.0))
-  if variant == "tiny":
-    shrink_to_tiny(c)
+  if variant in ("tiny", "tiny_random"):
+    shrink_to_tiny(c, random_init=variant == "tiny_random")
   return c
 
 
-def shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
-  """The same blocks at CPU size: tiny_moe's architecture with the example tokenizer's
-  512 ids, a few short GRPO steps, one local rollout host."""
+def tiny_architecture() -> dict:
+  """tiny_moe's architecture with the example tokenizer's 512 ids (ModelConfig fields)."""
+  model = tiny_moe.get_config().model.to_dict()
+  model["vocab_size"] = 512
+  # (rljax.pipeline.run.BACKEND_FIELDS that tiny_moe sets: how to run it, not its shape)
+  return {k: v for k, v in model.items()
+          if k not in ("page_size", "dtype", "param_dtype", "remat")}
+
+
+def shrink_to_tiny(c: ml_collections.ConfigDict, random_init: bool = False) -> None:
+  """The same blocks at CPU size, a few short GRPO steps, one local rollout host. The
+  architecture is init_from's checkpoint's (config.model: backend fields, and every
+  architecture field a typed placeholder, None, that the command line may set as a check),
+  or with `random_init` tiny_architecture(), randomly initialised (init_from "")."""
   c.name = "qwen3_30b_a3b_tiny"
   c.init_from = "hf:/path/to/tiny_qwen3_moe"  # examples/make_tiny_hf_checkpoint.py DIR
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "model": 1})
-  c.model = tiny_moe.get_config().model
-  c.model.update(dict(vocab_size=512, dtype="auto", param_dtype="bfloat16", remat=False))
+  arch = tiny_architecture()
+  if random_init:
+    c.init_from = ""
+    model = dict(arch)
+  else:
+    model = {k: config_dict.placeholder(type(v)) for k, v in arch.items()}
+  c.model = ml_collections.ConfigDict(dict(model, page_size=16, dtype="auto",
+                                           param_dtype="bfloat16", remat=False))
   c.env.kwargs.update(dict(max_prompt_tokens=80, verifier_processes=1))
   c.engine = ml_collections.ConfigDict(dict(num_slots=16, max_seq_len=128))
   c.sft.update(dict(batch_size=8, microbatches=1))

@@ -2,11 +2,13 @@
 
   .venv/bin/python examples/make_tiny_hf_checkpoint.py DIR
 
-the architecture of configs/qwen3_30b_a3b.py:tiny, initialised by `transformers`
-(Qwen3MoeForCausalLM, f32, save_pretrained), and a byte-level BPE tokenizer with Qwen's chat
-tokens and template trained on examples/gsm_tiny/train.jsonl (512 ids,
+configs/qwen3_30b_a3b.py's `tiny_architecture()` (its :tiny_random variant), initialised by
+`transformers` (Qwen3MoeForCausalLM, f32, save_pretrained; generation_config.json's
+eos_token_id <|im_end|> and <|endoftext|>, as Qwen3's), and a byte-level BPE tokenizer with
+Qwen's chat tokens and template trained on examples/gsm_tiny/train.jsonl (512 ids,
 `rljax.envs.tokenizer.train_byte_level_bpe`) in the same directory: what a real model's
-directory holds, at CPU size. Then:
+directory holds, at CPU size. The :tiny variant takes any checkpoint's architecture from
+its config.json:
 
   .venv/bin/python experiments/pipeline.py --config=configs/qwen3_30b_a3b.py:tiny \\
       --config.init_from=hf:DIR
@@ -29,7 +31,7 @@ def main(directory: str) -> None:
   import transformers  # pylint: disable=g-import-not-at-top
   if os.path.exists(os.path.join(directory, "config.json")):
     sys.exit(f"{directory} already holds a checkpoint")
-  config = qwen3_30b_a3b.get_config("tiny")
+  config = qwen3_30b_a3b.get_config("tiny_random")
   cfg = ModelConfig.from_dict(config.model.to_dict())
   with open(config.env.kwargs.path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
@@ -40,6 +42,9 @@ def main(directory: str) -> None:
   model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
       **hf_config_kwargs(cfg), eos_token_id=hf_tokenizer.eos_token_id,
       pad_token_id=hf_tokenizer.pad_token_id, bos_token_id=hf_tokenizer.bos_token_id))
+  # what generate() stops at, as Qwen3's: the end of a turn and the end of the text
+  model.generation_config.eos_token_id = [hf_tokenizer.convert_tokens_to_ids(t)
+                                          for t in ("<|im_end|>", "<|endoftext|>")]
   model.float().save_pretrained(directory)
   print(directory)
 

@@ -31,3 +31,16 @@ def hang_with_a_child(prompt, completion, pid_file, **fields):
 def not_a_number(prompt, completion, **fields):
   del prompt, completion, fields
   return "1.0"
+
+
+def broken(prompt, completion, kind, **fields):
+  """A reward function broken in the way the row's `kind` says: "raise" (a KeyError),
+  "string" (returns "1.0"), "nan" (returns NaN); anything else scores 1.0."""
+  del prompt, completion
+  if kind == "raise":
+    return fields["no_such_field"]
+  if kind == "string":
+    return "1.0"
+  if kind == "nan":
+    return float("nan")
+  return 1.0

@@ -3,8 +3,8 @@ abstract inputs, and its per-device bytes equal a hand computation (total bytes 
 
 The tiny run compiles on 8 simulated CPU devices, so it runs in its own process (the
 device count must be set before JAX starts); the full Qwen3-30B-A3B run only lowers (an
-AbstractMesh of 64 devices needs no devices at all). Both from config.model's shape
-(`--config.init_from=`: no checkpoint directory; the configs name a placeholder one).
+AbstractMesh of 64 devices needs no devices at all). Both from config.model's shape, with
+no checkpoint directory (`:tiny_random`; the full config with `--config.init_from=`).
 """
 
 import json
@@ -33,8 +33,7 @@ def run_check(*args: str) -> dict:
 def tiny():
   # tiny_moe shapes with the example tokenizer's vocab 512: hidden 64, 3 layers (layer 0
   # dense), 4 heads, 2 KV heads, head_dim 16, 8 experts of width 32, page 16
-  return run_check("--config=configs/qwen3_30b_a3b.py:tiny", "--config.init_from=",
-                   "--config.mesh.fsdp=2",
+  return run_check("--config=configs/qwen3_30b_a3b.py:tiny_random", "--config.mesh.fsdp=2",
                    "--config.mesh.expert=2", "--config.mesh.model=2", "--host_devices=8",
                    "--num_slots=8", "--max_seq_len=64")
 

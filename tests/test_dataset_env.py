@@ -187,6 +187,52 @@ def test_reward_fn_gets_the_prompt_and_the_other_fields(tmp_path, tok):
   assert verdict.outcome == Outcome.INFRA_FAILURE and "not a number or a Verdict" in str(verdict)
 
 
+def test_a_broken_reward_fn_is_an_infra_failure_of_its_kind_with_its_traceback(tmp_path, tok):
+  rows = [{"prompt": f"Q{kind}", "kind": kind} for kind in ("raise", "string", "nan", "ok")]
+  path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+  for processes in (0, 1):  # in the verifying thread, and in a worker process
+    env = DatasetEnv(path=path, reward_fn="reward_fns:broken", held_out_fraction=0.0,
+                     verifier_processes=processes, tokenizer=tok)
+    verdicts = {t.data["fields"]["kind"]: envs.safe_verify(env, t, _answer_ids(tok, "x"))
+                for t in env.prompts("train", 4, seed=0)}
+    env.close()
+    assert {k: (v.outcome, v.info.get("reason"), v.info.get("error_type"))
+            for k, v in verdicts.items()} == {
+        "raise": (Outcome.INFRA_FAILURE, "exception", "KeyError"),
+        "string": (Outcome.INFRA_FAILURE, "bad_return", "bad_return"),
+        "nan": (Outcome.INFRA_FAILURE, "nan", "nan"),
+        "ok": (Outcome.SUCCESS, None, None)}
+    # the traceback reaches the reward function's own line, worker process or not
+    assert 'return fields["no_such_field"]' in verdicts["raise"].info["traceback"]
+    assert "returned str '1.0', not a number" in verdicts["string"].info["error"]
+  # a Verdict with a reward that is no number, or not finite, is a bad return / NaN too
+  class Env(DatasetEnv):
+    def verify(self, task, completion_ids):
+      return envs.Verdict(task.data["fields"]["reward"], Outcome.SUCCESS)
+  path = _write_jsonl(tmp_path / "v.jsonl", [{"prompt": "a", "reward": "1"}])
+  env = Env(path=path, reward_fn=MATH_REWARD, held_out_fraction=0.0, tokenizer=tok)
+  (task,) = env.prompts("train", 1, seed=0)
+  assert envs.safe_verify(env, task, _answer_ids(tok, "x")).info["reason"] == "bad_return"
+  env.verify = lambda task, ids: envs.Verdict(float("inf"), Outcome.SUCCESS)
+  assert envs.safe_verify(env, task, _answer_ids(tok, "x")).info["reason"] == "nan"
+
+
+def test_rows_without_an_answer_are_fine_until_sft_needs_them(tmp_path, tok):
+  rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b"}, {"prompt": "c", "answer": 3}]
+  path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+  env = DatasetEnv(path=path, reward_fn=MATH_REWARD, answer_field="answer",
+                   held_out_fraction=0.0, tokenizer=tok)
+  tasks = {t.task_id: t for t in env.prompts("train", 3, seed=0)}  # every row is a task
+  assert not env.has_sft_targets
+  assert "2 of 3 rows" in env.no_sft_targets and "rows [1, 2]" in env.no_sft_targets
+  assert env.sft_target(tasks["a"]).completion_ids[-1] == tok.eos_id
+  for task_id, kind in (("b", "NoneType"), ("c", "int")):
+    with pytest.raises(ValueError, match=rf"row {ord(task_id) - 97}: answer field 'answer' "
+                       rf"\(answer_field\) is {kind}, not text: no SFT target"):
+      env.sft_target(tasks[task_id])
+  assert tasks["c"].data["fields"]["answer"] == 3  # reward_fn still gets the field
+
+
 def test_dataset_errors_name_the_file_row_and_field(tmp_path, tok, monkeypatch):
   good = [{"prompt": "p", "answer": "1"}]
 
@@ -216,8 +262,6 @@ def test_dataset_errors_name_the_file_row_and_field(tmp_path, tok, monkeypatch):
   # errors of a row found when its task is made
   for rows, kwargs, message in (
       ([{"prompt": "p", "completion": "c"}], {}, r"field\(s\) \['completion'\] would clash"),
-      ([{"prompt": "p", "answer": 1}], dict(answer_field="answer"),
-       r"answer field 'answer' \(answer_field\) is int"),
       ([{"prompt": "p", "x": float("nan")}], {}, "its fields must be JSON"),
   ):
     with pytest.raises(ValueError, match=message):

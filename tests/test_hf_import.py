@@ -414,7 +414,7 @@ def test_init_from_an_hf_checkpoint_takes_its_architecture_and_weights(reference
   chex.assert_trees_all_equal(run.state.params, want)
 
   config.model.hidden_size = 128
-  with pytest.raises(ConfigError, match=r"config.model.hidden_size=128 but .*config.json has 64"):
+  with pytest.raises(ConfigError, match=r"hidden_size=128 \(the checkpoint's: 64\)"):
     build(config, LOCKSTEP)
   del config.model["hidden_size"]
   config.init_from = src  # no scheme
@@ -423,3 +423,85 @@ def test_init_from_an_hf_checkpoint_takes_its_architecture_and_weights(reference
   config.init_from = f"hf:{tmp_path / 'nowhere'}"
   with pytest.raises(ConfigError, match="nowhere/config.json"):
     build(config, LOCKSTEP)
+
+
+# A Qwen3-MoE of another shape than any config's: head_dim not hidden / heads, 3 KV heads,
+# its second layer dense (mlp_only_layers), another rope_theta, a 320-id vocabulary
+ODD_SHAPE = dict(vocab_size=320, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=3, head_dim=20, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=24, intermediate_size=40, mlp_only_layers=[1],
+                 norm_topk_prob=True, max_position_embeddings=512, rope_theta=5e5,
+                 rms_norm_eps=1e-5)
+
+
+def test_a_checkpoint_of_any_shape_runs_with_only_init_from_data_and_reward(tmp_path):
+  """configs/qwen3_30b_a3b.py:tiny takes the architecture and the stop tokens from the
+  checkpoint; an override that disagrees names every differing field at once; rows
+  without an answer need SFT off only."""
+  from configs import qwen3_30b_a3b  # pylint: disable=g-import-not-at-top
+  from rljax.envs.tokenizer import train_byte_level_bpe  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline.run import ASYNC_TRAINER, ConfigError, build  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "odd"
+  rows = [{"question": f"What is {i} plus {2 * i}?", "id": str(i)} for i in range(40)]
+  train_byte_level_bpe([r["question"] for r in rows] * 3, str(ckpt), vocab_size=320)
+  tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+  stops = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+  torch.manual_seed(SEED)
+  model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+      **ODD_SHAPE, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+  model.generation_config.eos_token_id = stops
+  model.float().eval().save_pretrained(str(ckpt))
+  data = tmp_path / "rows.jsonl"  # no answer field
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  config = qwen3_30b_a3b.get_config("tiny")
+  config.init_from = f"hf:{ckpt}"
+  config.env.kwargs.path = str(data)
+  config.env.kwargs.reward_fn = "rljax.envs.math_answer:reward_fn"
+  built = build(config, ASYNC_TRAINER, devices=False)
+  cfg = built.cfg
+  assert {k: getattr(cfg, k) for k in ODD_SHAPE} == {**ODD_SHAPE, "mlp_only_layers": (1,)}
+  assert cfg.dense_layers() == (1,) and cfg.page_size == 16  # the config's backend field
+  # the stop tokens: the tokenizer's EOS, then generation_config.json's eos_token_ids
+  assert built.env.stop_ids == tuple(stops) and built.env.tokenizer.eos_id == stops[0]
+  assert not built.env.has_sft_targets  # and SFT is off: fine
+  built.env.close()
+
+  # the checkpoint runs as transformers runs it (f32 logits; odd head_dim, GQA 6:3)
+  params = load_hf_params(str(ckpt), cfg, "float32")
+  tokens = np.asarray([tok.encode(rows[3]["question"])], np.int32)
+  positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+  f32 = dataclasses.replace(cfg, dtype="float32", param_dtype="float32")
+  logits, _ = _jitted_forward(f32.resolved("cpu", "fast"), Numerics("fast"))(params, tokens,
+                                                                             positions)
+  model.config._experts_implementation = "eager"  # pylint: disable=protected-access
+  with torch.no_grad():
+    hf_logits = model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+  assert np.abs(np.asarray(logits) - hf_logits).max() <= ATOL
+
+  # an override that agrees is fine; disagreeing ones are named together, with the
+  # checkpoint's values
+  config.model.head_dim = 20
+  build(config, ("model",), devices=False)
+  config.model.update(dict(hidden_size=64, num_key_value_heads=2, rope_theta=1e6,
+                           mlp_only_layers=(0,)))
+  with pytest.raises(ConfigError, match="sets 4 architecture field") as e:
+    build(config, ("model",), devices=False)
+  for field in ("hidden_size=64 (the checkpoint's: 48)", "num_key_value_heads=2 (the "
+                "checkpoint's: 3)", "rope_theta=1000000.0 (the checkpoint's: 500000.0)",
+                "mlp_only_layers=(0,) (the checkpoint's: (1,))"):
+    assert field in str(e.value), field
+  # without init_from the tiny config has no architecture, and says so
+  config = qwen3_30b_a3b.get_config("tiny")
+  config.init_from = ""
+  with pytest.raises(ConfigError, match=r"config.model.\{.*hidden_size.*\} unset: without "
+                     "init_from"):
+    build(config, ("model",), devices=False)
+  # SFT needs the answers the rows lack
+  config = qwen3_30b_a3b.get_config("tiny")
+  config.init_from = f"hf:{ckpt}"
+  config.env.kwargs.path = str(data)
+  config.sft.steps = 5
+  with pytest.raises(ConfigError, match=r"no SFT targets \(40 of 40 rows of .* have no text "
+                     "answer field 'answer'"):
+    build(config, ASYNC_TRAINER, devices=False)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import os
 import pathlib
 import subprocess
@@ -494,7 +495,8 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
                  [0] * 6, [0] * 6, [0] * 6])  # step 3: nothing has signal: the last fills
   calls = []
 
-  def fake_generate(engine, env, tasks, *, group_size, sampling, seed, first_request_id):
+  def fake_generate(engine, env, tasks, *, group_size, sampling, seed, first_request_id,
+                    failures=None):
     signal = next(script)
     assert len(tasks) == len(signal)
     calls.append((first_request_id, len(tasks)))
@@ -582,3 +584,99 @@ def test_rollout_stats_estimate_the_sampling_entropy_over_policy_tokens_only():
   assert stats["sampled_nll_mean"] == pytest.approx(2.0)
   assert stats["success_frac"] == 0.5 and stats["completion_tokens_mean"] == 1.5
   assert rollout_stats([])["sampled_nll_mean"] == 0.0
+
+
+def test_a_broken_reward_fn_stops_the_run_loudly_after_n_updates(tmp_path, monkeypatch,
+                                                                 caplog):
+  """A reward_fn that raises (KeyError), returns "1.0" or NaN makes every episode an infra
+  failure: each kind is logged once with its traceback and row, every update counts them,
+  and the run stops after rl.max_all_infra_updates such updates."""
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.envs.dataset import DatasetEnv  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "kind": kind, "split": split})
+                          + "\n" for i, (kind, split) in enumerate(
+                              [("raise", "train"), ("string", "train"), ("nan", "train")] * 4
+                              + [("ok", "held_out")])))
+  config = arith_tiny.get_config()
+  config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, moe_intermediate_size=16,
+                           intermediate_size=32))
+  config.env.name = "dataset"
+  config.env.kwargs = dict(path=str(rows), reward_fn="reward_fns:broken", split_field="split")
+  config.sft.steps = 0
+  config.rl.update(dict(steps=4, prompts_per_step=3, group_size=2, num_tasks=12,
+                        max_all_infra_updates=2))
+  config.eval.update(dict(num_tasks=1, every=0))
+  config.log.tensorboard = False
+  # every completion reaches the reward_fn (a random policy rarely writes EOS)
+  monkeypatch.setattr(DatasetEnv, "_answer_text", lambda self, ids: "x")
+  run = core.setup(build(config, ("model", "mesh", "env", "engine", "rl", "train", "eval",
+                                  "log")), str(tmp_path / "run"))
+  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
+      setattr(run, "version", run.version + 1), {"loss": 0.0})[1])  # the update: not ours
+  with pytest.raises(core.AllInfraFailures, match="every episode of the last 2 updates") as e:
+    lockstep.grpo(run)
+  for kind in ("exception: KeyError (dataset row", "bad_return (", "nan (",
+               "config.rl.max_all_infra_updates"):
+    assert kind in str(e.value), kind
+  records = read_jsonl(run.log.jsonl_path)
+  grpo = [r for r in records if r["phase"] == "grpo"]
+  assert [r["step"] for r in grpo] == [1, 2]  # stopped after the second update
+  for r in grpo:
+    assert r["infra_failures"] == r["reward_errors"] == r["episodes"] == 6
+    assert sum(r.get(f"infra_failures_{k}", 0) for k in ("exception", "bad_return", "nan")) == 6
+  stopped = [r for r in records if r["phase"] == "stopped"]
+  assert stopped and stopped[0]["reward_errors"] == 12 and stopped[0]["all_infra_updates"] == 2
+  summary = run.watch.summary()
+  assert summary["infra_failures"] == summary["reward_errors"] == 12
+  # one ERROR line per kind, however often it happened, with the row and its traceback
+  errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+  assert len(errors) == 3, errors
+  raised = next(m for m in errors if "exception: KeyError" in m)
+  assert re.search(r"dataset row \d+ task '\d+\+\d+='", raised)
+  assert 'return fields["no_such_field"]' in raised
+  assert any("returned str '1.0'" in m for m in errors) and any("a reward of nan" in m
+                                                               for m in errors)
+
+
+def test_the_rollout_watch_warns_once_when_no_sample_stops_and_counts_infra_reasons(caplog):
+  from rljax.pipeline.core import RolloutWatch, rollout_stats  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline.run import ConfigError, check_values  # pylint: disable=g-import-not-at-top
+
+  def traj(finish, outcome=Outcome.MODEL_FAILURE, reason=""):
+    return Trajectory(np.array([1], np.int32), np.array([5, 6], np.int32), np.ones(2, bool),
+                      np.zeros(2, np.float32), np.zeros(2, np.int32), None, finish,
+                      reward=0.0, outcome=outcome, infra_reason=reason)
+  caplog.set_level("WARNING")
+  watch = RolloutWatch(max_all_infra=0)  # 0: never stops
+  cut = rollout_stats([traj(FinishReason.LENGTH)] * 4)
+  assert cut["length_frac"] == 1.0 and cut["infra_failures"] == cut["reward_errors"] == 0
+  for step in (1, 2):
+    watch.update(step, cut, max_new_tokens=6, stop_ids=(2,))
+  mixed = rollout_stats([traj(FinishReason.LENGTH), traj(FinishReason.EOS),
+                         traj(FinishReason.EOS, Outcome.INFRA_FAILURE, "timeout"),
+                         traj(FinishReason.STOP, Outcome.INFRA_FAILURE, "step_failed")])
+  assert mixed["length_frac"] == 0.25 and mixed["infra_failures"] == 2
+  assert mixed["reward_errors"] == mixed["infra_failures_timeout"] == 1  # a verifier's
+  assert mixed["infra_failures_step_failed"] == 1  # an env step's: not the reward's
+  watch.update(3, mixed, max_new_tokens=6)
+  warnings = [r.getMessage() for r in caplog.records if "max_new_tokens (6)" in r.getMessage()]
+  assert len(warnings) == 1 and "every one of the 4 samples" in warnings[0]
+  assert watch.summary() == {"infra_failures": 2, "reward_errors": 1,
+                             "infra_failures_timeout": 1, "infra_failures_step_failed": 1,
+                             "all_length_updates": 2}
+  everything = rollout_stats([traj(FinishReason.EOS, Outcome.INFRA_FAILURE, "nan")] * 2)
+  for _ in range(5):
+    watch.update(4, everything, max_new_tokens=6)
+  assert watch.streak == 5 and watch.stop_message() == ""  # never stops with 0
+  watch.max_all_infra = 5
+  assert "every episode of the last 5 updates" in watch.stop_message()
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  for bad in (-1, 1.5, True):
+    config = arith_tiny.get_config()
+    config.rl.max_all_infra_updates = bad
+    with pytest.raises(ConfigError, match="config.rl.max_all_infra_updates must be an int"):
+      check_values(config, ("rl",))

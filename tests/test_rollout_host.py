@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import chex
 import jax
@@ -24,7 +25,7 @@ from rljax.pipeline import wire
 from rljax.pipeline.host import RolloutHost, RunOver
 from rljax.pipeline.layout import (DONE_KEY, RootUnreachable, probe_root, publish_fingerprint,
                                    status_key, stream_url)
-from rljax.pipeline.rollout import EpisodeRunner, generate_groups
+from rljax.pipeline.rollout import EpisodeRunner, FailureLog, generate_groups
 from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient, QueueConfig, QueueOwner
 from rljax.sync import Publisher, Store, StreamError
@@ -275,6 +276,66 @@ def test_revoked_lease_is_not_pushed_and_a_regrant_reuses_the_running_group():
     host.run_once()
   assert host.counts["groups_discarded"] == 1 and host.counts["groups_pushed"] == 1
   assert store.list("queue/hosts/h0/results/") == ["queue/hosts/h0/results/000000000002.npz"]
+
+
+def test_a_hosts_infra_failures_reach_the_wire_its_status_and_the_trainers_log(caplog):
+  """A verifier that raises on a host: each episode's reason crosses the wire, the host
+  logs the first of each kind with its traceback once and puts it in its status record,
+  which the trainer logs once; every update of them stops the trainer after
+  rl.max_all_infra_updates."""
+  from rljax.pipeline import async_loop, core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.layout import read_host_status  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.metrics import NullLogger  # pylint: disable=import-outside-toplevel
+  caplog.set_level("ERROR")
+  config = small_config()
+  _, p0 = params_of(config, 0)
+  env = envs.make(config.env.name, **config.env.kwargs.to_dict())
+  ctx, root = ts.Context(), "memory://infra"
+  store = Store.open(root, ctx)
+  publish_fingerprint(store, config)
+  Publisher(Store.open(stream_url(root), ctx)).publish(p0, 0)
+  owner = QueueOwner.open(store, QueueConfig(max_outstanding=8, lease_s=120.0,
+                                             lease_ttl_s=15.0))
+  host = RolloutHost(root, config, "h0", context=ctx)
+
+  def verify(task, completion_ids):
+    return {}[task.task_id]  # a KeyError in every episode
+  host.env.verify = verify
+  owner.submit([(0, wire.task_to_payload(env.prompts("train", 1, seed=1)[0]), GROUP)])
+  ready = serve_until(host, owner, [0])
+  trajs = wire.group_from_arrays(ready[0].arrays, 0)
+  assert {(t.outcome.value, t.infra_reason) for t in trajs} == {("infra_failure", "exception")}
+  stats = core.rollout_stats(trajs)
+  assert stats["infra_failures"] == stats["reward_errors"] == stats[
+      "infra_failures_exception"] == GROUP
+  host.write_status()
+  status = read_host_status(store)["h0"]
+  assert status["infra_failures"] == {"exception": GROUP}
+  (kind, first), = status["first_errors"].items()
+  assert kind == "exception: KeyError" and "return {}[task.task_id]" in first["traceback"]
+  logged = [r.getMessage() for r in caplog.records]
+  assert len(logged) == 1 and logged[0].startswith("rollout host h0: infra failure "
+                                                   "(exception: KeyError) of arithmetic")
+
+  # the trainer's side (process 0 of one): the host's first failures logged once, and
+  # the stop once every episode of 2 updates was one
+  trainer = object.__new__(async_loop.AsyncTrainer)
+  trainer.primary, trainer.multi, trainer.store, trainer.host_errors = True, False, store, {}
+  trainer.run = run = types.SimpleNamespace(
+      watch=core.RolloutWatch(max_all_infra=2), failures=FailureLog(),
+      log=NullLogger("/tmp"), version=7)
+  for update in (1, 2):
+    trainer._log_host_errors(read_host_status(store))  # noqa: SLF001
+    run.watch.update(update, stats, max_new_tokens=8)
+    if update == 1:
+      trainer._stop_if_only_infra()  # noqa: SLF001
+  with pytest.raises(core.AllInfraFailures, match=r"(?s)last 2 updates.*exception: KeyError "
+                     r"\(arithmetic task"):
+    trainer._stop_if_only_infra()  # noqa: SLF001
+  logged = [r.getMessage() for r in caplog.records]
+  assert len(logged) == 2 and logged[1].startswith("rollout host h0: infra failure")
+  assert "return {}[task.task_id]" in logged[1]
+  host.close()
 
 
 def test_host_input_errors(tmp_path):

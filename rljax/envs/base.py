@@ -11,6 +11,11 @@ completion into a `Verdict`: a reward and an `Outcome`:
 
 Verifiers never raise on model output, whatever the ids; anything they do raise is an
 env bug and is reported as infra_failure, which never enters a gradient or a baseline.
+Its `info["reason"]` is one of INFRA_REASONS: the verifier's own errors (REWARD_ERRORS:
+it raised, returned something that is not a number or Verdict, returned a NaN or
+infinite reward, or overran its deadline), a failed env step, or "other" (an env's own
+infra verdict); `info` also holds the error text, its type and (an exception) its
+traceback, which the rollout logs once per kind (rljax.pipeline.rollout.FailureLog).
 
 Splits: every task has a `split_key`, the canonical problem (operands sorted for a
 commutative op, say). A keyed hash of it decides the split, so one problem is in the same
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import traceback
 import types
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -33,6 +39,23 @@ from rljax.rl.trajectory import Outcome
 
 Split = Literal["train", "held_out"]
 SPLITS: tuple[Split, ...] = ("train", "held_out")
+
+# Why an episode is an infra failure (`Verdict.info["reason"]`), in the wire's code order:
+# the verifier raised, returned neither a number nor a Verdict, returned a non-finite
+# reward, or overran its deadline (REWARD_ERRORS); an env step failed; anything else an
+# env reported itself
+INFRA_REASONS = ("exception", "bad_return", "nan", "timeout", "step_failed", "other")
+REWARD_ERRORS = ("exception", "bad_return", "nan", "timeout")
+
+
+def infra_reason(verdict: "Verdict") -> str:
+  """The INFRA_REASONS entry of an infra-failure verdict ("other" for an env's own)."""
+  reason = verdict.info.get("reason") if isinstance(verdict.info, Mapping) else None
+  return reason if reason in INFRA_REASONS else "other"
+
+
+class BadReward(TypeError):
+  """A reward function returned something that is not a number or a Verdict."""
 
 
 def split_of(split_key: str, held_out_fraction: float) -> Split:
@@ -232,20 +255,48 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
   return box["value"]
 
 
+def _traceback(e: BaseException) -> str:
+  """The traceback of `e`: a worker process's own when it carries one (`remote_traceback`,
+  rljax.envs.processes.CallFailed), else this process's (a verifier thread's frames
+  included: call_with_timeout re-raises the thread's exception object)."""
+  remote = getattr(e, "remote_traceback", "")
+  return remote or "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
 def safe_verify(env: Env, task: Task, completion_ids: np.ndarray, *,
                 timeout_s: float = 10.0) -> Verdict:
   """env.verify, but an env that raises, hangs past timeout_s, or returns something that
-  is not a Verdict with a finite reward yields infra_failure instead."""
+  is not a Verdict with a finite reward yields infra_failure instead; its reason is one
+  of REWARD_ERRORS, its info the error text, the error's type and (an exception) its
+  traceback."""
   try:
     verdict = call_with_timeout(lambda: env.verify(task, completion_ids), timeout_s)
   # TimeoutError: the env's own deadline (a verifier process it killed, say)
   except (_Timeout, TimeoutError) as e:
-    return Verdict.infra_failure("timeout", error=str(e))
+    return Verdict.infra_failure("timeout", error=str(e), error_type="timeout")
+  except BadReward as e:
+    return Verdict.infra_failure("bad_return", error=str(e), error_type="bad_return")
   except Exception as e:  # pylint: disable=broad-except
-    return Verdict.infra_failure("exception", error=f"{type(e).__name__}: {e}")
-  if not isinstance(verdict, Verdict) or not np.isfinite(verdict.reward):
-    return Verdict.infra_failure("bad verdict", error=repr(verdict))
+    kind = getattr(e, "error_type", None) or type(e).__name__
+    return Verdict.infra_failure("exception", error=f"{type(e).__name__}: {e}",
+                                 error_type=kind, traceback=_traceback(e))
+  if not isinstance(verdict, Verdict):
+    return Verdict.infra_failure(
+        "bad_return", error_type="bad_return",
+        error=f"verify returned {type(verdict).__name__} {_short(verdict)}, not a Verdict")
+  reward = verdict.reward
+  if not isinstance(reward, (int, float, np.number, np.bool_)):
+    return Verdict.infra_failure(
+        "bad_return", error_type="bad_return",
+        error=f"a Verdict whose reward is {type(reward).__name__} {_short(reward)}, not a number")
+  if not np.isfinite(reward):
+    return Verdict.infra_failure("nan", error=f"a reward of {float(reward)}", error_type="nan")
   return verdict
+
+
+def _short(value: Any, limit: int = 200) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def safe_step(env: MultiTurnEnv, task: Task, history_ids: np.ndarray, action_ids: np.ndarray,
@@ -309,7 +360,7 @@ def rollout(env: Env, task: Task, policy: Callable[[np.ndarray], Sequence[int]],
     if result.done:
       break
   if error is not None:
-    verdict = Verdict.infra_failure("step failed", error=error)
+    verdict = Verdict.infra_failure("step_failed", error=error, error_type="step_failed")
   else:
     verdict = safe_verify(env, task, history, timeout_s=timeout_s)
   return Episode(history.astype(np.int32), np.concatenate(mask), verdict, turns,

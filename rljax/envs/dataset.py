@@ -15,8 +15,15 @@ are not tokens: a model_failure, no call); then `reward_fn(prompt, completion, *
 scores the text, with `prompt` the row's prompt text or message list and `fields` the
 row's other fields (all but prompt_field and messages_field). It returns a Verdict, or a
 number: a reward >= `success_threshold` is a success, a lower one a model_failure with
-that reward. A reward_fn that raises, returns anything else, or overruns its deadline is
-an infra failure (`safe_verify`).
+that reward. A reward_fn that raises, returns anything else (`BadReward`: a string such
+as "1.0" too), returns NaN, or overruns its deadline is an infra failure (`safe_verify`:
+reasons "exception", "bad_return", "nan", "timeout"); the rollout logs the first of each
+kind with its traceback and the row (`Task.data["row"]`: its index in the file).
+`reward_fn` must be importable wherever episodes are scored: the trainer (it imports it
+when the env is built), every rollout host, and (verifier_processes > 0) each verifier
+worker, a fresh interpreter started with the caller's sys.path as PYTHONPATH: an installed
+package, or a module on PYTHONPATH of every one of them (README: "Where the reward
+function must import").
 `reward_fn` is an import path ("package.module:function"). `verifier_processes` = N > 0
 runs it in N worker processes, each killed when a call overruns `verifier_timeout_s`
 (`rljax.envs.processes`; keep it below the rollout's verify timeout, 10 s, which would
@@ -29,8 +36,10 @@ key: its `id_field` value, or its prompt (the text, or the messages as JSON). Ro
 a key seen before are dropped. `prompts(split, n, seed)` is the first n rows of the split
 in a seeded shuffle (rows whose prompt is longer than `max_prompt_tokens` skipped).
 
-SFT targets: the row's `answer_field` text + EOS. Without an answer_field there are none
-(`has_sft_targets` is False and `sft_target` raises): configure SFT off.
+SFT targets: the row's `answer_field` text + EOS. Without an answer_field, or with rows
+that have no text there, there are none (`has_sft_targets` is False, `no_sft_targets`
+says why, and `sft_target` raises): configure SFT off. Rows without an answer are fine
+when SFT is off (the field, when present, still reaches reward_fn).
 
 A task carries its prompt and fields in `Task.data` (they travel to rollout hosts as
 JSON), so every field must be JSON: text, numbers, lists, objects.
@@ -44,7 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from rljax.envs.base import SPLITS, BaseEnv, SFTTarget, Split, Task, Verdict, split_of
+from rljax.envs.base import (SPLITS, BadReward, BaseEnv, SFTTarget, Split, Task, Verdict,
+                             split_of)
 from rljax.envs.importing import import_object
 from rljax.envs.processes import ProcessPool
 from rljax.rl.trajectory import Outcome
@@ -147,7 +157,20 @@ class DatasetEnv(BaseEnv):
 
   @property
   def has_sft_targets(self) -> bool:
-    return self.answer_field is not None
+    return not self.no_sft_targets
+
+  @property
+  def no_sft_targets(self) -> str:
+    """Why the rows have no SFT targets ("" when they all do)."""
+    if self.answer_field is None:
+      return "no answer_field (config.env.kwargs.answer_field)"
+    missing = [i for i, row in enumerate(self._rows)
+               if not isinstance(row.get(self.answer_field), str)]
+    if missing:
+      return (f"{len(missing)} of {len(self._rows)} rows of {self.path} have no text "
+              f"answer field {self.answer_field!r} (rows {missing[:5]}"
+              f"{' ...' if len(missing) > 5 else ''})")
+    return ""
 
   def close(self) -> None:
     """Stops the verifier processes, if any."""
@@ -196,13 +219,11 @@ class DatasetEnv(BaseEnv):
     if clash:
       raise ValueError(f"{self._where(index)}: field(s) {clash} would clash with "
                        f"reward_fn's arguments {_REWARD_ARGS}; rename them")
-    answer = ""
-    if self.answer_field is not None:
-      answer = row.get(self.answer_field)
-      if not isinstance(answer, str):
-        raise ValueError(f"{self._where(index)}: answer field {self.answer_field!r} "
-                         f"(answer_field) is {type(answer).__name__}, not text")
-    data = {"prompt": prompt, "fields": fields}
+    # a row without a text answer has no SFT target (sft_target says so); scoring and GRPO
+    # need none
+    answer = row.get(self.answer_field) if self.answer_field is not None else None
+    answer = answer if isinstance(answer, str) else ""
+    data = {"prompt": prompt, "fields": fields, "row": index}
     try:
       json.dumps(data, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -259,8 +280,10 @@ class DatasetEnv(BaseEnv):
     if isinstance(result, Verdict):
       return result
     if not isinstance(result, (int, float, np.integer, np.floating)):
-      raise TypeError(f"reward_fn {self.reward_fn} returned {type(result).__name__}, not a "
-                      "number or a Verdict")
+      text = repr(result)
+      raise BadReward(f"reward_fn {self.reward_fn} returned {type(result).__name__} "
+                      f"{text[:200]}{'...' if len(text) > 200 else ''}, not a number or a "
+                      "Verdict")
     reward = float(result)
     if reward >= self.success_threshold:
       return Verdict(reward, Outcome.SUCCESS)
@@ -270,4 +293,11 @@ class DatasetEnv(BaseEnv):
     if self.answer_field is None:
       raise ValueError(f"{self.path}: no SFT targets without answer_field; configure SFT "
                        "off (config.sft.steps = 0)")
+    row = task.data.get("row")
+    if (isinstance(row, int) and 0 <= row < len(self._rows)
+        and not isinstance(self._rows[row].get(self.answer_field), str)):
+      value = self._rows[row].get(self.answer_field)
+      raise ValueError(f"{self._where(row)}: answer field {self.answer_field!r} "
+                       f"(answer_field) is {type(value).__name__}, not text: no SFT target; "
+                       "configure SFT off (config.sft.steps = 0)")
     return self._target(task.answer)

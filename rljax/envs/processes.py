@@ -7,7 +7,8 @@ request at a time. `call(*args, **kwargs)` waits for a free worker, sends it the
 and waits at most T seconds for the result; past that the worker's process group (the
 worker and whatever it started) is killed with SIGKILL, `CallTimeout` (a TimeoutError) is
 raised, and a fresh worker takes the slot at its next call. An exception in the function
-comes back as `CallFailed` with its type and message, as does a worker that died.
+comes back as `CallFailed` with its type and message (and the worker's traceback:
+`error_type`, `remote_traceback`), as does a worker that died.
 Arguments and results are pickled. `call` is thread-safe.
 
 A worker is a fresh interpreter (`python -c`, with the caller's sys.path), never a fork of
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,7 +41,14 @@ class CallTimeout(TimeoutError):
 
 
 class CallFailed(RuntimeError):
-  """The function raised, could not be imported, or its worker died."""
+  """The function raised, could not be imported, or its worker died. `error_type`: the
+  function's exception's type name (None otherwise); `remote_traceback`: its traceback as
+  the worker formatted it ("" otherwise)."""
+
+  def __init__(self, message: str, *, error_type: str | None = None,
+               remote_traceback: str = ""):
+    super().__init__(message)
+    self.error_type, self.remote_traceback = error_type, remote_traceback
 
 
 def _describe(e: BaseException) -> str:
@@ -72,7 +81,8 @@ def serve(fn_path: str, fd: int, parent_pid: int) -> None:
     try:
       reply = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # pylint: disable=broad-except
-      reply = ("error", _describe(e))
+      reply = ("raised", (_describe(e), type(e).__name__,
+                          "".join(traceback.format_exception(type(e), e, e.__traceback__))))
     try:
       conn.send(reply)
     except Exception as e:  # pylint: disable=broad-except  (an unpicklable result)
@@ -134,6 +144,10 @@ class ProcessPool:
       raise CallFailed(f"{self.fn_path}: its worker process died (exit code {value})")
     if status == "error":
       raise CallFailed(f"{self.fn_path} raised {value}")
+    if status == "raised":
+      message, error_type, remote = value
+      raise CallFailed(f"{self.fn_path} raised {message}", error_type=error_type,
+                       remote_traceback=remote)
     return value
 
   def close(self) -> None:

@@ -41,6 +41,13 @@ covers only tokens of the version being trained, often none in an async run (the
 The lineage (rljax.pipeline.lineage, <workdir>/trained_groups.jsonl) lists the group ids,
 hosts and tasks of every update (a restart cuts it back to its checkpoint).
 
+Infra failures: hosts score episodes and log the first failure of each kind with its
+traceback; the reasons reach the trainer on the wire (`Trajectory.infra_reason`) and the
+first failures in the hosts' status records, which the trainer logs once each. Every
+update's record counts them (`infra_failures`, `reward_errors`, `infra_failures_<reason>`);
+every episode an infra failure for `rl.max_all_infra_updates` consecutive updates stops
+the trainer (`core.AllInfraFailures`, on every trainer process).
+
 Metrics per update (JSONL + TensorBoard, phase "async"): ttb_s (seconds from asking for a
 batch to having it: time-to-trainable-batch; all of it is trainer stall), train_s,
 staleness mean/max over the batch's tokens, dropped_stale, queue accounting, and from the
@@ -84,6 +91,7 @@ from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, publish_f
                                    read_host_status, stream_url, trainer_dir)
 from rljax.pipeline.lineage import Lineage
 from rljax.pipeline.metrics import host_metrics, plot_reward_curve, read_jsonl
+from rljax.pipeline.rollout import log_first_failure
 from rljax.pipeline.run import ASYNC_TRAINER, Built, build
 from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
 from rljax.rl.trajectory import Trajectory
@@ -227,6 +235,8 @@ class AsyncTrainer:
                                keep_versions=self.a.max_staleness + 2)
                   if self.a.check_versions_groups > 0 else None)
     self.owner: QueueOwner | None = None  # process 0's
+    # "<host>: <kind>" -> the first infra failure of that kind a host reported (logged once)
+    self.host_errors: dict[str, dict] = {}
     # config.lora: the stream carries the adapters, the base goes out once (adapter_stream)
     self.lora = built.lora
 
@@ -415,6 +425,7 @@ class AsyncTrainer:
         t2 = time.perf_counter()
         self._log(metrics, [t for _, g in batch for t in g], trained_version, ttb=t1 - t0,
                   train_s=t2 - t1)
+      self._stop_if_only_infra()
       if self.updates % self.a.checkpoint_every == 0 or self.updates == self.rl.steps:
         self.ckpt.save(self.updates, {"state": self.grpo.state},
                        stream_version=run.version)
@@ -471,10 +482,41 @@ class AsyncTrainer:
     if self.check is not None and self.check.mismatch.value is not None:
       record["own_version_mismatch_max_abs"] = self.check.mismatch.value
       record["own_version_tokens"] = self.check.mismatch.tokens
-    record |= host_metrics(read_host_status(self.store), self.publish_times)
+    statuses = read_host_status(self.store)
+    record |= host_metrics(statuses, self.publish_times)
+    self._log_host_errors(statuses)
     self.run.log.write("async", self.run.version, record)
+    self.run.watch.update(self.run.version, stats, max_new_tokens=self.rl.max_new_tokens,
+                          stop_ids=self.run.env.stop_ids)
     self.sampled = []
     self.ties_dropped_this_update = 0
+
+  def _log_host_errors(self, statuses: dict) -> None:
+    """Logs each host's first infra failure of each kind once (the host logged it too)."""
+    for host, status in sorted(statuses.items()):
+      for kind, first in sorted((status.get("first_errors") or {}).items()):
+        key = f"{host}: {kind}"
+        if key not in self.host_errors and isinstance(first, dict) and "reason" in first:
+          self.host_errors[key] = first
+          log_first_failure(kind, first, f"rollout host {host}")
+
+  def _stop_if_only_infra(self) -> None:
+    """Raises AllInfraFailures on every trainer process when process 0's watch says every
+    episode of rl.max_all_infra_updates consecutive updates was an infra failure."""
+    message = ""
+    if self.primary and self.run.watch.stop_message():
+      # the hosts' newest status records, for their first failures in the message
+      self._log_host_errors(read_host_status(self.store))
+      message = self.run.watch.stop_message(self.host_errors | self.run.failures.first)
+    if self.multi:
+      message = distributed.broadcast_bytes(message.encode() if self.primary else None
+                                            ).decode()
+    if message:
+      if self.primary:
+        self.run.log.write("stopped", self.run.version,
+                           {"all_infra_updates": self.run.watch.streak,
+                            **self.run.watch.summary()})
+      raise core.AllInfraFailures(message)
 
   def finish(self) -> None:
     if self.primary:

@@ -7,6 +7,13 @@ engine; `grpo_learner` makes the optimizer, state and jitted step of the `rl` bl
 (rljax.pipeline.lockstep) and the async trainer (rljax.pipeline.async_loop) are two ways of
 feeding `train_on_groups`.
 
+Infra failures (rljax.envs.base.INFRA_REASONS: a reward function that raised, returned no
+number or NaN, or timed out; a failed env step) are counted in every update's record
+(`infra_failures`, `reward_errors`, `infra_failures_<reason>`) and the summary;
+`RolloutWatch` stops the run (`AllInfraFailures`) when every episode of
+`rl.max_all_infra_updates` (3; 0: never) consecutive updates was one, and warns when
+every sample of an update ran out of `rl.max_new_tokens` without a stop token.
+
 The update recomputes the log-probs of the sampled tokens with the same bf16 weights the
 engine sampled with; `mismatch_max_abs` is the largest |trainer - behaviour| log-prob over
 the tokens sampled by the version being trained (exactly 0.0 in deterministic mode),
@@ -16,6 +23,7 @@ makes it NaN.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -32,7 +40,7 @@ import optax
 
 from rljax.checkpoint import Checkpointer
 from rljax.engine.engine import DecodeEngine
-from rljax.envs.base import Env, Task
+from rljax.envs.base import INFRA_REASONS, REWARD_ERRORS, Env, Task
 from rljax.model import count_params, init_sharded, param_shardings
 from rljax.model import lora as lora_lib
 from rljax.model.hf_import import load_hf_params
@@ -40,7 +48,7 @@ from rljax.model.packing import aligned_length
 from rljax.pipeline.evaluate import evaluate, greedy_groups, sampled_key, success_rate
 from rljax.pipeline.metrics import (FallAlarm, MetricsLogger, NullLogger, RunningMax,
                                     SuccessFallAlarm)
-from rljax.pipeline.rollout import episode_info_means
+from rljax.pipeline.rollout import FailureLog, episode_info_means
 from rljax.pipeline.run import Built, init_from_hf, rows_for
 from rljax.rl import learner
 from rljax.rl.advantages import group_advantages
@@ -78,6 +86,66 @@ COLLAPSE_FALL = 0.15
 # fraction over this many updates, this far below its first full window's
 TRAIN_COLLAPSE_FALL = 0.15
 TRAIN_COLLAPSE_WINDOW = 10
+# consecutive updates whose every episode was an infra failure that stop a run, unless
+# config.rl.max_all_infra_updates says otherwise (0: never)
+MAX_ALL_INFRA_UPDATES = 3
+
+
+class AllInfraFailures(RuntimeError):
+  """Every episode of `rl.max_all_infra_updates` consecutive updates was an infra failure:
+  nothing trains (a reward function that always raises, say)."""
+
+
+@dataclasses.dataclass
+class RolloutWatch:
+  """What the episodes of each update say about the env, not the policy: infra failures
+  by reason (totals for the summary), a stop after `max_all_infra` consecutive updates of
+  nothing but infra failures, and a warning the first time every sample of an update ran
+  out of max_new_tokens without a stop token."""
+
+  max_all_infra: int = MAX_ALL_INFRA_UPDATES
+  streak: int = 0  # consecutive updates of nothing but infra failures
+  totals: dict = dataclasses.field(default_factory=dict)  # summary counts
+  all_length_updates: int = 0
+
+  def update(self, step: int, stats: dict, *, max_new_tokens: int, stop_ids=()) -> None:
+    """One update's `rollout_stats`: totals, the streak, the max_new_tokens warning."""
+    for key, value in stats.items():
+      if key in ("infra_failures", "reward_errors") or key.startswith("infra_failures_"):
+        self.totals[key] = self.totals.get(key, 0) + int(value)
+    episodes = stats.get("episodes", 0)
+    all_infra = episodes > 0 and stats["infra_failures"] == episodes
+    self.streak = self.streak + 1 if all_infra else 0
+    if episodes and stats.get("length_frac", 0.0) == 1.0:
+      self.all_length_updates += 1
+      if self.all_length_updates == 1:
+        logging.warning(
+            "step %d: every one of the %d samples ran out of rl.max_new_tokens (%d) without a "
+            "stop token (stop ids %s): the policy never ends its answer, so every one is "
+            "scored unfinished (check config.tokenizer.stop_tokens against the checkpoint's "
+            "EOS / generation_config.json, or raise max_new_tokens)", step, episodes,
+            max_new_tokens, list(stop_ids))
+
+  def stop_message(self, first_errors: dict | None = None) -> str:
+    """Why the run must stop ("" while it may go on)."""
+    if not self.max_all_infra or self.streak < self.max_all_infra:
+      return ""
+    reasons = {k[len("infra_failures_"):]: v for k, v in self.totals.items()
+               if k.startswith("infra_failures_") and v}
+    lines = [f"every episode of the last {self.streak} updates was an infra failure (no "
+             f"gradient, no baseline: nothing trains); infra failures by reason so far: "
+             f"{reasons}. The first of each kind:"]
+    for kind, first in (first_errors or {}).items():
+      lines.append(f"  {kind} ({first.get('task', '?')}): {first.get('error', '')}")
+    lines.append("Fix the env or reward function (rljax/envs/dataset.py: reward_fn must "
+                 "return a finite number or a Verdict, and be importable by the trainer, the "
+                 "rollout hosts and the verifier processes), or set "
+                 "config.rl.max_all_infra_updates (0: never stop)")
+    return "\n".join(lines)
+
+  def summary(self) -> dict:
+    out = {"infra_failures": 0, "reward_errors": 0} | dict(self.totals)
+    return out | {"all_length_updates": self.all_length_updates}
 
 
 @dataclasses.dataclass
@@ -102,6 +170,9 @@ class Run:
   train_fall: SuccessFallAlarm = dataclasses.field(
       default_factory=lambda: SuccessFallAlarm(TRAIN_COLLAPSE_FALL, TRAIN_COLLAPSE_WINDOW))
   timings: dict = dataclasses.field(default_factory=lambda: {"rollout_s": 0.0, "train_s": 0.0})
+  # infra failures of this process's episodes (each kind logged once) and of every update
+  failures: FailureLog = dataclasses.field(default_factory=FailureLog)
+  watch: RolloutWatch = dataclasses.field(default_factory=RolloutWatch)
 
   config = property(lambda self: self.built.config)
   cfg = property(lambda self: self.built.cfg)
@@ -149,7 +220,8 @@ def setup(built: Built, workdir: str, *, engine: bool = True) -> Run:
   return Run(built, heldout, decode, state, serve, log,
              heldout_fall=FallAlarm(config.eval.get("collapse_fall", COLLAPSE_FALL)),
              train_fall=SuccessFallAlarm(rl.get("collapse_fall", TRAIN_COLLAPSE_FALL),
-                                         rl.get("collapse_window", TRAIN_COLLAPSE_WINDOW)))
+                                         rl.get("collapse_window", TRAIN_COLLAPSE_WINDOW)),
+             watch=RolloutWatch(rl.get("max_all_infra_updates", MAX_ALL_INFRA_UPDATES)))
 
 
 def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
@@ -159,7 +231,8 @@ def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
   run.engine.update_weights(run.serve(run.state) if params is None else params, run.version)
   t0 = time.perf_counter()
   out = evaluate(run.engine, run.env, run.heldout, k=e.k, n=e.n, temperature=e.temperature,
-                 max_new_tokens=run.config.rl.max_new_tokens, seed=e.seed)
+                 max_new_tokens=run.config.rl.max_new_tokens, seed=e.seed,
+                 failures=run.failures)
   out["eval_s"] = time.perf_counter() - t0
   if name != "init":  # the random model's score is no baseline
     out |= run.heldout_fall.update(out["pass1"])
@@ -171,6 +244,22 @@ def run_eval(run: Run, step: int, name: str, params: Any = None) -> dict:
                       out["pass1_fall_from_start"], run.heldout_fall.start)
   run.log.write("eval", step, out)
   return out | {"name": name}
+
+
+def watch_rollouts(run: Run, step: int, stats: dict,
+                   first_errors: dict | None = None) -> None:
+  """One update's rollout stats into `run.watch`; raises AllInfraFailures (after writing a
+  `stopped` record) when every episode of rl.max_all_infra_updates consecutive updates was
+  an infra failure. `first_errors`: the first failure of each kind (default: this
+  process's, `run.failures.first`)."""
+  run.watch.update(step, stats, max_new_tokens=run.config.rl.max_new_tokens,
+                   stop_ids=run.env.stop_ids)
+  message = run.watch.stop_message(run.failures.first if first_errors is None
+                                   else first_errors)
+  if message:
+    run.log.write("stopped", step, {"all_infra_updates": run.watch.streak,
+                                    **run.watch.summary()})
+    raise AllInfraFailures(message)
 
 
 def train_collapse(run: Run, step: int, success_frac: float) -> dict:
@@ -227,7 +316,8 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
     if probe and step % (c.probe_every_slow if slowed else c.probe_every) == 0:
       run.engine.update_weights(run.serve(state), 0)
       probe_pass1 = success_rate(greedy_groups(run.engine, run.env, probe, seed=0,
-                                               max_new_tokens=run.config.rl.max_new_tokens))
+                                               max_new_tokens=run.config.rl.max_new_tokens,
+                                               failures=run.failures))
       run.log.write("sft_probe", step, {"train_probe_pass1": probe_pass1})
       if probe_pass1 >= c.target_pass1:
         break
@@ -362,9 +452,19 @@ def rollout_stats(sampled: Sequence[Trajectory]) -> dict:
   valid = [t.reward for t in sampled if t.outcome != Outcome.INFRA_FAILURE]
   lps = [t.behaviour_logprobs[t.loss_mask] for t in sampled]
   lps = np.concatenate(lps) if lps else np.zeros(0, np.float32)
+  reasons = collections.Counter(t.infra_reason if t.infra_reason in INFRA_REASONS else "other"
+                                for t in sampled if t.outcome == Outcome.INFRA_FAILURE)
   return {"success_frac": outcomes.count(Outcome.SUCCESS) / max(len(sampled), 1),
           "rollout_reward_mean": float(np.mean(valid)) if valid else 0.0,
+          "episodes": len(sampled),
           "infra_failures": outcomes.count(Outcome.INFRA_FAILURE),
+          # the verifier's own errors (raised, no number, NaN, timed out), then every
+          # reason that occurred (rljax.envs.base.INFRA_REASONS)
+          "reward_errors": sum(reasons[r] for r in REWARD_ERRORS),
+          **{f"infra_failures_{r}": n for r, n in sorted(reasons.items())},
+          # samples that ran out of max_new_tokens (a turn's budget) without a stop token
+          "length_frac": sum(t.finish_reason == FinishReason.LENGTH
+                             for t in sampled) / max(len(sampled), 1),
           # episodes cut by the context (`rl.overlong` says what training does with them)
           "overlong_frac": sum(t.finish_reason == FinishReason.CONTEXT
                                for t in sampled) / max(len(sampled), 1),
@@ -505,5 +605,8 @@ def summarize(run: Run, evals: Sequence[dict], wall_s: float, extra: dict) -> di
       "rollout_s": round(run.timings["rollout_s"], 1),
       "train_s": round(run.timings["train_s"], 1),
       "wall_s": round(wall_s, 1),
+      # every update's episodes: infra failures (by reason), reward-function errors, and
+      # updates whose every sample ran out of max_new_tokens
+      **run.watch.summary(),
   }
   return out | extra

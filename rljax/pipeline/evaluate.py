@@ -16,7 +16,8 @@ import numpy as np
 
 from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.envs.base import Env, Task
-from rljax.pipeline.rollout import episode_info_means, generate_groups, outcome_counts
+from rljax.pipeline.rollout import (FailureLog, episode_info_means, generate_groups,
+                                    outcome_counts)
 from rljax.rl.trajectory import Outcome
 
 # eval request ids live far from training ones, so their PRNG streams never coincide
@@ -36,10 +37,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def greedy_groups(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *,
-                  max_new_tokens: int, seed: int) -> list:
+                  max_new_tokens: int, seed: int, failures: FailureLog | None = None) -> list:
   return generate_groups(engine, env, tasks, group_size=1, seed=seed,
                          sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-                         first_request_id=EVAL_REQUEST_BASE)
+                         first_request_id=EVAL_REQUEST_BASE, failures=failures)
 
 
 def success_rate(groups) -> float:
@@ -47,12 +48,16 @@ def success_rate(groups) -> float:
 
 
 def evaluate(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, k: int, n: int,
-             temperature: float, max_new_tokens: int, seed: int) -> dict[str, float]:
-  greedy = greedy_groups(engine, env, tasks, max_new_tokens=max_new_tokens, seed=seed)
+             temperature: float, max_new_tokens: int, seed: int,
+             failures: FailureLog | None = None) -> dict[str, float]:
+  """`failures`: where infra failures are logged (a run's: each kind once per run)."""
+  greedy = greedy_groups(engine, env, tasks, max_new_tokens=max_new_tokens, seed=seed,
+                         failures=failures)
   sampled = generate_groups(engine, env, tasks, group_size=n, seed=seed,
                             sampling=SamplingParams(temperature=temperature,
                                                     max_new_tokens=max_new_tokens),
-                            first_request_id=EVAL_REQUEST_BASE + len(tasks))
+                            first_request_id=EVAL_REQUEST_BASE + len(tasks),
+                            failures=failures)
   success = lambda t: t.outcome == Outcome.SUCCESS  # noqa: E731
   counts = outcome_counts(greedy + sampled)
   return {

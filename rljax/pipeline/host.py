@@ -39,7 +39,10 @@ Status record: {host_id, incarnation, pid, applied: [[version, published_at, app
 apply_pause_s], ...] (last 50; published_at = the manifest's `created_unix`, or null),
 tokens_generated, generate_s, idle_s, groups_pushed, groups_discarded, time, version,
 in_flight, done, stream_errors (count), last_stream_error (a bad version is skipped: the
-host keeps its verified weights and moves on at the next good one)}.
+host keeps its verified weights and moves on at the next good one), infra_failures
+({reason: count} of the episodes it scored), first_errors ({kind: {reason, task, error,
+traceback}}: the first infra failure of each kind, which the host logs at ERROR when it
+happens and the trainer logs once it reads the record)}.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from rljax.model import param_shardings
 from rljax.pipeline import adapter_stream, wire
 from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, base_url,
                                    check_fingerprint, check_root, status_key, stream_url)
-from rljax.pipeline.rollout import EpisodeRunner, Group
+from rljax.pipeline.rollout import EpisodeRunner, FailureLog, Group
 from rljax.pipeline.run import ROLLOUT_HOST, build
 from rljax.pipeline.work_queue import QueueClient
 from rljax.rl import learner
@@ -126,8 +129,9 @@ class RolloutHost:
     self._held = self._arrays()
     self._record_applied(version, pause)
     self._tokens_at_start = self.engine.stats["generated_tokens"]
+    self.failures = FailureLog(f"rollout host {self.host_id}")
     self.runner = EpisodeRunner(self.engine, self.env, sampling=built.sampling,
-                                seed=config.seed)
+                                seed=config.seed, failures=self.failures)
 
   # ---- the loop ----
 
@@ -322,7 +326,9 @@ class RolloutHost:
                 groups_discarded=self.counts["groups_discarded"], time=self.clock(),
                 version=self.engine.version, in_flight=len(self._running), done=self._done,
                 stream_errors=self.sub.stats.error_count,
-                last_stream_error=(self.sub.stats.errors or [None])[-1])
+                last_stream_error=(self.sub.stats.errors or [None])[-1],
+                infra_failures=dict(self.failures.counts),
+                first_errors=dict(self.failures.first))
 
   def write_status(self) -> None:
     self.store.write(status_key(self.host_id),

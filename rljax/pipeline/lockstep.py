@@ -10,7 +10,9 @@ workdir must be one directory all of them reach (the orbax checkpoints are writt
 by all of them). Each GRPO step samples a group of
 episodes per train task with the serving params of version v (the bf16 cast of the f32
 masters), scores them with the env, and runs one update (`core.train_on_groups`); the
-engine then gets version v+1. Held-out evaluation (greedy pass@1, sampled pass@k) runs at
+engine then gets version v+1. A run whose every episode of `rl.max_all_infra_updates`
+consecutive updates was an infra failure stops (`core.AllInfraFailures`; the first
+failure of each kind was logged with its traceback). Held-out evaluation (greedy pass@1, sampled pass@k) runs at
 init, after SFT ("before"), every `eval.every` steps and at the end ("after"). Metrics go
 to `<workdir>/metrics.jsonl` and TensorBoard; the reward curve to
 `<workdir>/reward_curve.png`.
@@ -56,7 +58,8 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
       n = need if rounds == 1 else 2 * need
       drawn = generate_groups(run.engine, run.env, list(itertools.islice(tasks, n)),
                               group_size=c.group_size, sampling=run.built.sampling,
-                              seed=run.config.seed, first_request_id=next_request)
+                              seed=run.config.seed, first_request_id=next_request,
+                              failures=run.failures)
       next_request += n
       sampled += [t for g in drawn for t in g.trajectories]
       drawn.sort(key=lambda g: not core.has_signal(g.trajectories, c.overlong))  # signal first
@@ -78,6 +81,8 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
         "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
     if on_step is not None:
       on_step(record)
+    # every episode an infra failure for rl.max_all_infra_updates updates: stop, loudly
+    core.watch_rollouts(run, run.version, stats)
     if e.every and step % e.every == 0 and step != c.steps:
       core.run_eval(run, run.version, f"step{step}")
   return {"steps": c.steps, "rl_wall_s": round(time.perf_counter() - start, 2),

@@ -15,7 +15,10 @@ and finishes with `FinishReason.CONTEXT`. What training does with it is the trai
 choice (`config.rl.overlong`, `rljax.pipeline.core.advantages_of`).
 
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
-`step` or `verify` makes the sample an infra failure (no gradient, no baseline). Verifier
+`step` or `verify` (or a verifier that returns no number, or NaN) makes the sample an
+infra failure (no gradient, no baseline) with its reason (`Trajectory.infra_reason`, one
+of `rljax.envs.base.INFRA_REASONS`); a `FailureLog` logs the first failure of each kind
+(reason and error type) with its traceback and task, and counts them all. Verifier
 calls run on worker threads while the engine decodes the other samples: a slow verifier
 (see `rljax.envs.LatencyModel`) holds up its own sample, not the batch. The env steps of
 the samples that ended a turn in the same engine step run concurrently on those threads,
@@ -40,20 +43,68 @@ tokens depend on its request id, never on what else the engine runs beside it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
+from absl import logging
 import numpy as np
 
 from rljax import distributed
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.envs.base import (Env, MultiTurnEnv, StepResult, Task, Verdict, add_step_info,
-                             safe_step, safe_verify)
+                             infra_reason, safe_step, safe_verify)
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 _MAX_REQUEST_ID = 2**31 - 1  # request ids enter the sampling keys as int32
+_TRACEBACK_CHARS = 4000  # of a first failure, as logged and as a host's status holds it
+
+
+def describe_task(task: Task) -> str:
+  """A task as a failure message names it: its env, its row (a dataset env's) and id."""
+  row = task.data.get("row")
+  where = f" row {row}" if isinstance(row, int) else ""
+  task_id = task.task_id if len(task.task_id) <= 120 else task.task_id[:120] + "..."
+  return f"{task.env}{where} task {task_id!r}"
+
+
+class FailureLog:
+  """The infra failures of episodes: the first of each kind (its reason and error type:
+  a KeyError and a ZeroDivisionError are two kinds) logged at ERROR with its task and
+  traceback, every one counted by reason. Thread-safe."""
+
+  def __init__(self, who: str = ""):
+    self.who = who  # "rollout host h0", say; "" for the trainer
+    self.counts: collections.Counter[str] = collections.Counter()
+    # kind -> {"reason", "task", "error", "traceback"}: the first failure of each kind
+    self.first: dict[str, dict[str, Any]] = {}
+    self._lock = threading.Lock()
+
+  def report(self, verdict: Verdict, task: Task) -> None:
+    reason = infra_reason(verdict)
+    info = verdict.info
+    error_type = info.get("error_type")
+    kind = reason if error_type in (None, reason) else f"{reason}: {error_type}"
+    with self._lock:
+      self.counts[reason] += 1
+      if kind in self.first:
+        return
+      first = {"reason": reason, "task": describe_task(task),
+               "error": str(info.get("error", ""))[:_TRACEBACK_CHARS],
+               "traceback": str(info.get("traceback", ""))[-_TRACEBACK_CHARS:]}
+      self.first[kind] = first
+    log_first_failure(kind, first, self.who)
+
+
+def log_first_failure(kind: str, first: dict[str, Any], who: str = "") -> None:
+  """Logs a failure kind's first occurrence (ERROR): what, where, and its traceback."""
+  logging.error("%sinfra failure (%s) of %s: %s%s\n(the first of its kind; the metrics "
+                "count every one as infra_failures_%s)", f"{who}: " if who else "", kind,
+                first.get("task", "?"), first.get("error", ""),
+                f"\n{first['traceback']}" if first.get("traceback") else "", first["reason"])
 
 
 @dataclasses.dataclass
@@ -92,13 +143,15 @@ class EpisodeRunner:
   """
 
   def __init__(self, engine: DecodeEngine, env: Env, *, sampling: SamplingParams, seed: int,
-               timeout_s: float = 10.0, env_workers: int = 64):
+               timeout_s: float = 10.0, env_workers: int = 64,
+               failures: FailureLog | None = None):
     if engine.eos_id != env.tokenizer.eos_id:
       raise ValueError(f"engine eos_id {engine.eos_id} != the env tokenizer's "
                        f"{env.tokenizer.eos_id}")
     if env_workers < 1:
       raise ValueError(f"env_workers must be >= 1, got {env_workers}")
     self.engine, self.env, self.seed, self.timeout_s = engine, env, seed, timeout_s
+    self.failures = failures if failures is not None else FailureLog()
     self.multi = is_multi_turn(env)
     # process 0's env answers are every process's (an engine that does not say: one process)
     self.agrees = bool(getattr(engine, "spans_processes", False))
@@ -173,6 +226,9 @@ class EpisodeRunner:
       verdict = future.result()
       traj.reward, traj.outcome = float(verdict.reward), verdict.outcome
       pending = self._pending[traj.request_id]
+      if verdict.outcome == Outcome.INFRA_FAILURE:
+        traj.infra_reason = infra_reason(verdict)
+        self.failures.report(verdict, pending.task)
       pending.done[traj.sample_index] = traj
       if len(pending.done) == pending.group_size:
         del self._pending[traj.request_id]
@@ -226,7 +282,8 @@ class EpisodeRunner:
     self.engine.release(traj.request_id, traj.sample_index)
     traj.info = self._info.pop((traj.request_id, traj.sample_index), {})
     if result is not None and result.error is not None:
-      verdict = Verdict.infra_failure("step failed", error=result.error)
+      verdict = Verdict.infra_failure("step_failed", error=result.error,
+                                      error_type="step_failed")
       done = concurrent.futures.Future()
       done.set_result(verdict)
       self._in_env[done] = traj
@@ -236,10 +293,13 @@ class EpisodeRunner:
 
 def generate_groups(engine: DecodeEngine, env: Env, tasks: Sequence[Task], *, group_size: int,
                     sampling: SamplingParams, seed: int, first_request_id: int = 0,
-                    timeout_s: float = 10.0) -> list[Group]:
+                    timeout_s: float = 10.0, failures: FailureLog | None = None
+                    ) -> list[Group]:
   """Samples `group_size` episodes per task; returns the groups in task order, each with
-  its trajectories in sample order. Request ids are first_request_id + task index."""
-  runner = EpisodeRunner(engine, env, sampling=sampling, seed=seed, timeout_s=timeout_s)
+  its trajectories in sample order. Request ids are first_request_id + task index.
+  `failures`: where infra failures are logged and counted (a run's, across calls)."""
+  runner = EpisodeRunner(engine, env, sampling=sampling, seed=seed, timeout_s=timeout_s,
+                         failures=failures)
   if not engine.idle:
     raise ValueError("the engine has unfinished work; generate_groups needs it idle")
   for i, task in enumerate(tasks):
@@ -269,10 +329,12 @@ def _agreed_steps(results: list[StepResult]) -> list[StepResult]:
 
 
 def _agree_verdicts(trajs: list[Trajectory]) -> None:
-  """Every trajectory's reward and outcome set to process 0's (a collective)."""
-  theirs = _process_0s([[float(t.reward), t.outcome.value] for t in trajs], "verified")
-  for t, (reward, outcome) in zip(trajs, theirs):
-    t.reward, t.outcome = reward, Outcome(outcome)
+  """Every trajectory's reward, outcome and infra reason set to process 0's (a
+  collective)."""
+  theirs = _process_0s([[float(t.reward), t.outcome.value, t.infra_reason] for t in trajs],
+                       "verified")
+  for t, (reward, outcome, reason) in zip(trajs, theirs):
+    t.reward, t.outcome, t.infra_reason = reward, Outcome(outcome), reason
 
 
 def _process_0s(mine: list, did: str) -> list:

@@ -14,9 +14,18 @@ The env is built with the config's tokenizer: the char tokenizer when the config
 
 (`rljax.envs.TransformersTokenizer`: text prompts rendered through its chat template when
 `chat_template`, the first stop token is EOS, every stop token ends an answer; () = the
-tokenizer's eos token; `path=""`: the directory of `init_from = "hf:DIR"`, where a
-checkpoint keeps its tokenizer). `env.name` is a registered env or an import path
+tokenizer's eos token and the `eos_token_id`(s) of the checkpoint's
+`generation_config.json`, if any; `path=""`: the directory of `init_from = "hf:DIR"`,
+where a checkpoint keeps its tokenizer). `env.name` is a registered env or an import path
 "package.module:factory", called with env.kwargs and `tokenizer=`.
+
+`init_from = "hf:DIR"`: the model's architecture is DIR/config.json's; config.model sets
+only backend fields (BACKEND_FIELDS), and an architecture field it sets (not None) is an
+override that must agree with the checkpoint (`model_config`).
+
+Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive updates of
+nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
+`rl.collapse_fall` / `rl.collapse_window`, `eval.collapse_fall`.
 
 Values a run would only trip over later (at its first update, evaluation or checkpoint,
 after the model is loaded) are checked here too: the advantage estimator, the loss's
@@ -169,6 +178,11 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
     if rl.loss.get("entropy_coef", 0.0):
       raise ConfigError("config.rl.loss.entropy_coef must be 0: the GRPO step logs the "
                         "policy's entropy but computes no gradient through it")
+    stop = rl.get("max_all_infra_updates", 3)
+    if isinstance(stop, bool) or not isinstance(stop, int) or stop < 0:
+      raise ConfigError(f"config.rl.max_all_infra_updates must be an int >= 0 (consecutive "
+                        f"updates of nothing but infra failures that stop the run; 0: never), "
+                        f"not {stop!r}")
     if rl.prompts_per_step < 1 or rl.microbatches < 1:
       raise ConfigError("config.rl.prompts_per_step and config.rl.microbatches must be >= 1, "
                         f"not {rl.prompts_per_step} and {rl.microbatches}")
@@ -248,10 +262,20 @@ def init_from_hf(config: ml_collections.ConfigDict) -> str | None:
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """config.model, or with `init_from`: the checkpoint's config.json plus config.model's
-  backend fields (an architecture field there must agree with the checkpoint)."""
+  backend fields (BACKEND_FIELDS). An architecture field config.model leaves unset (absent,
+  or None: a config's placeholder) is the checkpoint's; one it sets is an override that
+  must agree with the checkpoint, and every one that does not is named in one error.
+  Without init_from config.model is the whole architecture (its unset fields are named)."""
   path = init_from_hf(config)
+  given = config.model.to_dict() if "model" in config else {}
   if path is None:
-    return ModelConfig.from_dict(config.model.to_dict())
+    unset = [k for k, v in given.items() if v is None]
+    if unset:
+      raise ConfigError(f"config.model.{{{', '.join(unset)}}} unset: without init_from, "
+                        "config.model is the whole architecture; give "
+                        "--config.init_from=hf:DIR to take it from a checkpoint's "
+                        "config.json, or set them")
+    return ModelConfig.from_dict(given)
   config_json = os.path.join(path, "config.json")
   if not os.path.isfile(config_json):
     raise ConfigError(f"config.init_from: there is no {config_json} (give "
@@ -260,18 +284,27 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
                       "initialised)")
   with open(config_json) as f:
     hf = config_from_hf(json.load(f))
-  given = config.model.to_dict() if "model" in config else {}
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(given) - fields)
+  if unknown:
+    raise ConfigError(f"config.model has unknown keys {unknown}; ModelConfig's fields: "
+                      f"{sorted(fields)}")
+  differ = []
   for key, value in given.items():
-    if key in BACKEND_FIELDS:
+    if key in BACKEND_FIELDS or value is None:
       continue
-    theirs = getattr(hf, key, None)
+    theirs = getattr(hf, key)
     if isinstance(theirs, tuple):
       value = tuple(value)
     if theirs != value:
-      raise ConfigError(f"config.model.{key}={value!r} but {path}/config.json has {theirs!r}: "
-                        "init_from sets the architecture; leave it out of config.model "
-                        "(or set it to the checkpoint's)")
-  return dataclasses.replace(hf, **{k: v for k, v in given.items() if k in BACKEND_FIELDS})
+      differ.append(f"{key}={value!r} (the checkpoint's: {theirs!r})")
+  if differ:
+    raise ConfigError(
+        f"config.model sets {len(differ)} architecture field(s) that {path}/config.json "
+        f"does not have: {'; '.join(differ)}. init_from sets the architecture: leave them "
+        "out of config.model (or None), or set each to the checkpoint's")
+  return dataclasses.replace(hf, **{k: v for k, v in given.items()
+                                    if k in BACKEND_FIELDS and v is not None})
 
 
 def hf_tokenizer_dir(config: ml_collections.ConfigDict) -> str | None:
@@ -317,11 +350,42 @@ def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
   except (OSError, ValueError) as e:
     raise ConfigError(f"config.tokenizer.path: {path!r} is not a tokenizer directory: "
                       f"{e}") from None
+  stop_tokens = tuple(t.stop_tokens) or default_stop_tokens(hf, path, init_from_hf(config))
   try:
-    return envs.TransformersTokenizer(hf, stop_tokens=tuple(t.stop_tokens),
+    return envs.TransformersTokenizer(hf, stop_tokens=stop_tokens,
                                       chat_template=t.chat_template)
   except ValueError as e:  # the message starts with the field's name
     raise ConfigError(f"config.tokenizer.{e}") from None
+
+
+def default_stop_tokens(hf_tokenizer, *dirs: str | None) -> tuple[str, ...]:
+  """The stop tokens of `tokenizer.stop_tokens = ()`: the tokenizer's EOS first, then the
+  `eos_token_id`(s) of the first `generation_config.json` among `dirs` (the tokenizer's
+  directory, init_from's: what transformers' `generate` stops at). () when there is
+  neither (TransformersTokenizer then names the missing EOS)."""
+  out = [hf_tokenizer.eos_token] if hf_tokenizer.eos_token is not None else []
+  for directory in dict.fromkeys(d for d in dirs if d):
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path) as f:
+        ids = json.load(f).get("eos_token_id")
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"config.tokenizer.stop_tokens is () but {path} is unreadable: "
+                        f"{e}") from None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    for i in ids:
+      try:
+        token = hf_tokenizer.convert_ids_to_tokens(int(i)) if isinstance(i, int) else None
+      except (IndexError, OverflowError, ValueError):
+        token = None
+      if token is None:
+        raise ConfigError(f"config.tokenizer.stop_tokens is () but {path}'s eos_token_id "
+                          f"{i!r} is not a token of the tokenizer")
+      out.append(token)
+    break
+  return tuple(dict.fromkeys(out))
 
 
 def make_env(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Env:
@@ -341,9 +405,10 @@ def check_sft_targets(config: ml_collections.ConfigDict, env: Env) -> None:
   """A warm start that would train on SFT targets needs an env that has them."""
   sft_runs = config.sft.steps > 0 and not config.sft.load
   if sft_runs and not getattr(env, "has_sft_targets", True):
+    why = getattr(env, "no_sft_targets", "")
     raise ConfigError(f"config.sft.steps={config.sft.steps}, but the env has no SFT targets "
-                      "(a dataset env has them with config.env.kwargs.answer_field): set "
-                      "config.sft.steps = 0, or config.sft.load")
+                      f"({why or 'a dataset env has them with config.env.kwargs.answer_field'}"
+                      "): set config.sft.steps = 0, or config.sft.load")
 
 
 def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:

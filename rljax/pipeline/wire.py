@@ -10,6 +10,8 @@ Result arrays of a group of G samples (T_i = prompt + completion tokens of sampl
   expert_ids  [sum T_i, layers, k] int32 (absent for a dense model)
   finish      [G] int8 (FINISH_CODES), outcome [G] int8 (OUTCOME_CODES), reward [G] f32
   sample_index [G] int32
+  infra_reason [G] int8 (REASON_CODES: "" or an entry of rljax.envs.base.INFRA_REASONS;
+               absent in a group pushed before it existed: all "")
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rljax.envs.base import Task
+from rljax.envs.base import INFRA_REASONS, Task
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
 FINISH_CODES = {r: i for i, r in enumerate(FinishReason)}
 OUTCOME_CODES = {o: i for i, o in enumerate(Outcome)}
+REASONS = ("",) + INFRA_REASONS
+REASON_CODES = {r: i for i, r in enumerate(REASONS)}
 
 
 def task_to_payload(task: Task) -> dict[str, Any]:
@@ -55,6 +59,8 @@ def group_to_arrays(trajs: Sequence[Trajectory]) -> dict[str, np.ndarray]:
       "outcome": np.array([OUTCOME_CODES[Outcome(t.outcome)] for t in trajs], np.int8),
       "reward": np.array([t.reward for t in trajs], np.float32),
       "sample_index": np.array([t.sample_index for t in trajs], np.int32),
+      "infra_reason": np.array([REASON_CODES.get(t.infra_reason, REASON_CODES["other"])
+                                for t in trajs], np.int8),
   }
   if trajs[0].expert_ids is not None:
     out["expert_ids"] = np.concatenate([t.expert_ids for t in trajs]).astype(np.int32)
@@ -70,6 +76,8 @@ def group_from_arrays(arrays: Mapping[str, np.ndarray], group_id: int) -> list[T
     if (len(arrays["tokens"]) != total.sum() or len(arrays["loss_mask"]) != total[1]
         or len(arrays["finish"]) != len(lengths)):
       raise ValueError("array lengths do not match the per-sample lengths")
+    reasons = (arrays["infra_reason"] if "infra_reason" in arrays
+                else np.zeros(len(lengths), np.int8))
     trajs, tok, comp = [], 0, 0
     for i, (p, c) in enumerate(lengths):
       tokens = arrays["tokens"][tok:tok + p + c]
@@ -81,7 +89,8 @@ def group_from_arrays(arrays: Mapping[str, np.ndarray], group_id: int) -> list[T
           versions=arrays["versions"][comp:comp + c], expert_ids=experts,
           finish_reason=finishes[int(arrays["finish"][i])], request_id=group_id,
           group_id=group_id, sample_index=int(arrays["sample_index"][i]),
-          reward=float(arrays["reward"][i]), outcome=outcomes[int(arrays["outcome"][i])]))
+          reward=float(arrays["reward"][i]), outcome=outcomes[int(arrays["outcome"][i])],
+          infra_reason=REASONS[int(reasons[i])]))
       tok, comp = tok + p + c, comp + c
     return trajs
   except (KeyError, IndexError) as e:

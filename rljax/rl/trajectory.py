@@ -51,6 +51,9 @@ class Trajectory:
   # (e.g. tool_calls, tool_errors), set by the rollout; local to the process that ran the
   # episode (the wire carries arrays only: a rollout host's groups arrive without it)
   info: dict = dataclasses.field(default_factory=dict)
+  # an infra failure's reason (rljax.envs.base.INFRA_REASONS; "" otherwise), set by the
+  # rollout from its verdict; the wire carries it as a code
+  infra_reason: str = ""
 
   def __post_init__(self):
     c = len(self.completion_ids)
