@@ -1,4 +1,4 @@
-"""Serves a config's policy through the OpenAI-compatible endpoint (rljax/pipeline/endpoint.py)
+"""Serves a config's policy through the OpenAI-compatible endpoint (rljax/serving/)
 on this machine, recording every call as a token-space Trajectory:
 
   .venv/bin/python experiments/serve.py --config=configs/qwen3_30b_a3b.py:tiny \\
@@ -30,7 +30,7 @@ from rljax import compile_cache, numerics
 from rljax.model import init_sharded
 from rljax.model.hf_import import load_hf_params
 from rljax.pipeline import npz, wire
-from rljax.pipeline.endpoint import Endpoint
+from rljax.serving import Endpoint
 from rljax.pipeline.run import build, init_from_hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",

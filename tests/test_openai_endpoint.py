@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (rljax.pipeline.endpoint): an agent loop written against
+"""The OpenAI-compatible endpoint (rljax.serving): an agent loop written against
 the `openai` package drives a run's engine over HTTP on 127.0.0.1, in deterministic
 numerics; every call's tokens are checked against the engine driven directly with the same
 ids (bitwise), re-scored by the trainer's forward (0.0), and the finished episodes go
@@ -21,7 +21,7 @@ from rljax.engine.engine import Request
 from rljax.envs.tokenizer import train_byte_level_bpe
 from rljax.model.scoring import max_abs_diff, packed_logprobs
 from rljax.pipeline import wire
-from rljax.pipeline.endpoint import Endpoint
+from rljax.serving import Endpoint
 from rljax.rl.trajectory import FinishReason, Outcome
 
 MAX_SEQ_LEN = 128

@@ -5,7 +5,6 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   wire, work_queue         groups as arrays; the prompt-group work queue on a store
   lineage                  which groups each async update trained on
   rollout, evaluate        episodes on the engine; held-out pass@k
-  endpoint                 an OpenAI-compatible HTTP endpoint on the engine, recording episodes
   run                      build(config): the one place a config becomes objects
   adapter_stream           config.lora on the root: the base once, the adapters each version
   core                     what both loops share: Run, SFT, evaluation, one GRPO update
@@ -16,5 +15,5 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
-          "endpoint", "run", "adapter_stream", "core", "fidelity", "lockstep", "host", "launch",
+          "run", "adapter_stream", "core", "fidelity", "lockstep", "host", "launch",
           "async_loop")

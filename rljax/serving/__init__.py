@@ -1,0 +1,92 @@
+"""rljax.serving: an OpenAI-compatible HTTP endpoint on a `DecodeEngine` that records every call as a
+token-space `Trajectory`: an external agent loop (any OpenAI client, someone else's
+harness) drives the engine, and the trainer gets the episodes like env-made ones.
+
+Endpoints (JSON over HTTP/1.1, `http.server.ThreadingHTTPServer`, non-streaming):
+
+  POST /v1/episodes                  {"episode_id"?, "group_id"?} -> {"episode_id", ...}
+  POST /v1/chat/completions          messages -> one assistant reply (the chat template)
+  POST /v1/completions               prompt (text, or token ids) -> one completion
+  POST /v1/episodes/{id}/finish      {"reward": r, "outcome"?} -> the episode is a Trajectory
+  GET  /v1/episodes/{id}             the record so far (turns, token counts, state)
+  DELETE /v1/episodes/{id}           forget an unfinished episode (its group stops waiting)
+  GET  /v1/models, GET /health
+
+Episodes. Every generation call belongs to an episode the harness registered first
+(`POST /v1/episodes`; an unknown id is a 404, never a silently new episode). A call names
+it by `extra_body={"episode_id": ...}`, by the header `X-Episode-Id`, or by its base URL:
+`OpenAI(base_url=f"{server}/episodes/{id}/v1")` serves that episode's calls with no extra
+field at all (for harnesses that cannot add one). One call at a time per episode (409).
+`group_id` (default: the episode id) groups episodes for GRPO: the trainer takes complete
+groups (`Endpoint.take_groups(group_size)`: `group_size` finished episodes, none open).
+
+Token space. An episode is one growing token sequence, as a multi-turn env episode is:
+turn n's prompt is every earlier prompt and sampled token of the episode followed by the
+tokens of only what the harness appended since (never a re-tokenization of the history).
+The engine keeps the sequence parked between turns (`Request(keep_pages=True)`) and
+continues it with `extend` (only the new tokens are prefilled: the earlier turns' KV is
+reused). When more episodes are open than the page pool holds (`max_resident`, default
+what the pool holds at max_seq_len each), the least recently used parked one is released;
+its next turn is a fresh `submit` of the recorded tokens plus the new ones under the same
+request id, so the sampling keys (seed, request id, sample 0, position) and, in
+deterministic numerics, every recorded bit are what `extend` would have given (tested).
+A turn whose sampling differs from the parked request's (other stop tokens) takes the same
+fresh path.
+
+Chat templating is incremental. The first call's messages are rendered by the tokenizer's
+chat template with the generation prompt and tokenized. A later call must repeat the
+recorded conversation exactly (every earlier message, and the assistant replies exactly as
+this server returned them: role and content compared) and append at least one non-assistant
+message; otherwise 400 `history_mismatch` (a harness that edits history starts a new
+episode). The appended tokens are the template applied to the delta, in context: the
+conversation is rendered with the last reply's content replaced by a sentinel and the new
+messages after it; only the text after the sentinel (the template's close of the reply,
+the new messages, the generation prompt) is tokenized. If the reply ended on a stop token
+whose text begins that close (`<|im_end|>`), that text is dropped (the token was sampled);
+a reply cut by max_tokens gets the close as observation tokens. Templates that rewrite
+earlier turns (Qwen3 drops old reasoning) therefore never change recorded tokens: the
+policy's context is what it sampled. Tokenizers without a chat template (the char
+tokenizer) serve `/v1/completions` only.
+
+Completions: `prompt` is text or a list of token ids, fixed per episode. Text: a later
+prompt must start with the episode's text so far (its prompts and the returned completion
+texts, without a final stop token's text); the rest is tokenized. Token ids: a later
+prompt must start with every token of the episode (stop tokens included); the rest is
+appended as is. No BOS is added.
+
+Recorded per episode (the Trajectory at finish): prompt_ids = the first call's prompt;
+completion = every later token, sampled ones with loss_mask True, behaviour log-prob and
+engine version, appended (observation/template) ones with loss_mask False, log-prob 0 and
+version -1; expert_ids for every position (the engine's routing of each fed token; the
+last sampled token is never fed: zeros). Every response also carries these ids in an
+`rljax` field (prompt_token_ids: the tokens this call appended, completion_token_ids,
+completion_logprobs), so a harness can check token in / token out itself.
+
+Sampling is the server's (`sampling`, e.g. the config's rl block: the trainer's loss
+assumes the behaviour temperature): a request's `temperature` / `top_p` other than the
+server's is a 400; `max_tokens` (or `max_completion_tokens`) caps the turn, within the
+room max_seq_len leaves (a prompt that leaves none: 400 `context_length_exceeded`);
+`stop` may name single tokens only; `n` must be 1 (a GRPO group is several episodes);
+`logprobs` returns the behaviour log-probs (`top_logprobs` unsupported).
+
+Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
+last call was refused with `context_length_exceeded`, finishes as an episode cut by the
+context (`FinishReason.CONTEXT`; the trainer's `config.rl.overlong` says what it trains).
+
+Threads. One engine-owner thread drives the engine (submits, extends, releases,
+`step`, `update_weights`); HTTP handler threads validate, tokenize, enqueue a turn and wait
+for it. Concurrent calls are decoded in the same engine steps (continuous batching);
+`pause` / `resume` hold new turns back (those in the engine go on). No handler thread
+calls JAX. An engine failure fails the calls in flight with 500 and every
+later one with 503.
+
+Modules: `api` (OpenAI schema: errors, messages, parameters), `server` (the HTTP handler),
+`episodes` (episode records, registration, groups), `owner` (the engine-owner thread),
+`render` (the chat template, ids to text), `endpoint` (`Endpoint`, tying them together).
+"""
+
+from rljax.serving.api import ApiError
+from rljax.serving.endpoint import Endpoint
+from rljax.serving.episodes import EpisodeRecord
+
+__all__ = ["ApiError", "Endpoint", "EpisodeRecord"]

@@ -1,0 +1,292 @@
+"""`Endpoint`: the OpenAI-compatible endpoint on a `DecodeEngine` (see the package's
+docstring): construction, the trainer's Python API, and the generation calls
+(`chat`, `complete`) that handler threads run."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import http.server
+import queue
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rljax.engine.engine import DecodeEngine, SamplingParams
+from rljax.engine.pages import pages_for
+from rljax.rl.trajectory import FinishReason
+from rljax.serving.api import ApiError, finish_reason_name, parse_messages, same_message
+from rljax.serving.episodes import EpisodeRecord, EpisodeStore
+from rljax.serving.owner import EngineOwner, Turn
+from rljax.serving.render import Renderer
+from rljax.serving.server import make_handler
+
+
+class Endpoint(EpisodeStore, EngineOwner, Renderer):
+  """The OpenAI-compatible endpoint over `engine` (which must carry only this endpoint's
+  work from now on: the owner thread drives it). `tokenizer`: the env tokenizer whose ids
+  the engine's model uses (`hf.apply_chat_template` for chat). `sampling`: the server's
+  sampling (max_new_tokens = the default max_tokens); `seed`: the sampling key seed.
+  `max_resident`: episodes whose sequences the engine may hold at once (default: as many
+  as its page pool holds at max_seq_len). `model_name`: what responses name."""
+
+  def __init__(self, engine: DecodeEngine, tokenizer, *, sampling: SamplingParams,
+               seed: int = 0, max_resident: int | None = None, model_name: str = "rljax",
+               host: str = "127.0.0.1", port: int = 0, first_request_id: int = 1):
+    if not engine.idle or engine.parked:
+      raise ValueError("the engine has work of its own; the endpoint needs it idle")
+    self.engine, self.tokenizer, self.seed, self.model_name = engine, tokenizer, seed, model_name
+    stops = tuple(t for t in tokenizer.stop_ids if t != engine.eos_id)
+    self.sampling = dataclasses.replace(sampling, stop_tokens=tuple(sampling.stop_tokens) + stops)
+    if len(self.sampling.stop_tokens) > engine.max_stop_tokens:
+      raise ValueError(f"{len(self.sampling.stop_tokens)} stop tokens; the engine takes "
+                       f"{engine.max_stop_tokens}")
+    self.stop_ids = frozenset(self.sampling.stop_tokens) | (
+        frozenset() if engine.eos_id is None else {engine.eos_id})
+    fits = engine.pool.free_count // pages_for(engine.max_seq_len, engine.page_size)
+    self.max_resident = max(1, fits if max_resident is None else max_resident)
+    self.stats = collections.Counter()
+    self._lock = threading.Lock()
+    self._episodes: dict[str, EpisodeRecord] = {}
+    self._by_rid: dict[int, EpisodeRecord] = {}
+    self._in_flight: dict[int, Turn] = {}  # by request id (the owner thread's)
+    self._resident: dict[int, EpisodeRecord] = {}  # held by the engine (the owner thread's)
+    self._groups: dict[str, list[EpisodeRecord]] = {}  # group id -> episodes, in order
+    self._group_index: dict[str, int] = {}
+    self._next_rid = first_request_id
+    self._finished_cv = threading.Condition(self._lock)
+    self._inbox: queue.Queue = queue.Queue()
+    self._pending: collections.deque[Turn] = collections.deque()
+    self._broken: BaseException | None = None
+    self._paused = threading.Event()  # set: no turn starts (those in flight go on)
+    self._owner = threading.Thread(target=self._own_engine, name="rljax-engine", daemon=True)
+    self._server = http.server.ThreadingHTTPServer((host, port), make_handler(self))
+    self._server.daemon_threads = True
+    self._http = threading.Thread(target=self._server.serve_forever, name="rljax-http",
+                                  daemon=True)
+    self._owner.start()
+    self._http.start()
+
+  # ---- the Python API (the trainer's side) ---------------------------------------------
+
+  @property
+  def url(self) -> str:
+    host, port = self._server.server_address[:2]
+    return f"http://{host}:{port}"
+
+  def close(self) -> None:
+    """Stops serving, releases every sequence the engine still holds for an episode and
+    stops the owner thread (the engine is idle and free for other work afterwards)."""
+    self._server.shutdown()
+    self._server.server_close()
+    if self._owner.is_alive():
+      self._call_owner("stop")
+    self._owner.join()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def update_weights(self, params: Any, version: int) -> None:
+    """New weights, between two engine steps (the engine's weight-update policy applies)."""
+    self._call_owner("weights", params, version)
+
+  def pause(self) -> None:
+    """Starts no new turn until `resume` (turns already in the engine go on): e.g. to
+    gather a batch of calls before any of them runs."""
+    self._paused.set()
+
+  def resume(self) -> None:
+    self._paused.clear()
+
+  @property
+  def waiting_turns(self) -> int:
+    """Calls the engine-owner thread has received and not started yet."""
+    return len(self._pending)
+
+
+  # ---- request handling (handler threads) ----------------------------------------------
+
+  def _sampling(self, body: Mapping) -> tuple[SamplingParams, int]:
+    """This call's SamplingParams (without its budget) and its max_tokens."""
+    for key, ours in (("temperature", self.sampling.temperature),
+                      ("top_p", self.sampling.top_p)):
+      value = body.get(key)
+      if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                or float(value) != float(ours)):
+        raise ApiError(400, f"{key}={body[key]}: this server samples with {key}={ours} (the "
+                       "trainer's behaviour policy)", "unsupported_sampling")
+    if body.get("n", 1) != 1:
+      raise ApiError(400, "n must be 1: a GRPO group is several episodes with one group_id")
+    if body.get("stream"):
+      raise ApiError(400, "streaming is not supported", "unsupported_stream")
+    if body.get("top_logprobs"):
+      raise ApiError(400, "top_logprobs is not supported")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    extra = []
+    for s in stop:
+      t = self.tokenizer.token_to_id(s) if isinstance(s, str) else None
+      if t is None:
+        raise ApiError(400, f"stop {s!r}: only single tokens of the vocabulary can stop")
+      if t not in self.stop_ids and t not in extra:
+        extra.append(t)
+    sampling = dataclasses.replace(self.sampling,
+                                   stop_tokens=self.sampling.stop_tokens + tuple(extra))
+    if len(sampling.stop_tokens) > self.engine.max_stop_tokens:
+      raise ApiError(400, f"at most {self.engine.max_stop_tokens} stop tokens in all")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = self.sampling.max_new_tokens if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+      raise ApiError(400, f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    return sampling, max_tokens
+
+  def _claim(self, body: Mapping, path_episode: str | None, headers, kind: str
+             ) -> EpisodeRecord:
+    episode_id = path_episode or body.get("episode_id") or headers.get("X-Episode-Id")
+    if episode_id is None:
+      raise ApiError(400, "no episode: pass extra_body={'episode_id': ...}, the X-Episode-Id "
+                     "header, or base_url=<server>/episodes/<id>/v1", "missing_episode")
+    with self._lock:
+      if self._broken is not None:
+        raise ApiError(503, f"the engine failed: {self._broken!r}", kind="server_error")
+      ep = self._episode(episode_id)
+      if ep.finished is not None:
+        raise ApiError(409, f"episode {episode_id!r} is finished", "episode_finished")
+      if ep.busy:
+        raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
+      if ep.kind not in (None, kind):
+        raise ApiError(400, f"episode {episode_id!r} is a {ep.kind} episode", "wrong_kind")
+      ep.busy = True
+    return ep
+
+  def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], sampling: SamplingParams,
+                max_tokens: int) -> Turn:
+    new_ids = [int(t) for t in new_ids]
+    if any(not 0 <= t < self.engine.cfg.vocab_size for t in new_ids):
+      raise ApiError(400, "token ids outside the model's vocabulary")
+    if ep.turns == 0 and not new_ids:
+      raise ApiError(400, "empty prompt")
+    room = self.engine.max_seq_len - len(ep.tokens) - len(new_ids)
+    if room < 1:
+      if ep.turns:  # finished as it is, the episode was cut by the context (a later turn
+        with self._lock:  # that fits, e.g. a shorter observation, ends otherwise)
+          ep.finish_reason = FinishReason.CONTEXT
+      raise ApiError(400, f"the episode's context would be {len(ep.tokens) + len(new_ids)} "
+                     f"tokens; this engine's max_seq_len is {self.engine.max_seq_len} (one "
+                     "token must stay free for the reply)", "context_length_exceeded")
+    turn = Turn(ep, new_ids, dataclasses.replace(sampling,
+                                                  max_new_tokens=min(max_tokens, room)))
+    self._inbox.put(turn)
+    turn.done.wait()
+    if turn.error is not None:
+      raise turn.error
+    return turn
+
+  def chat(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
+    sampling, max_tokens = self._sampling(body)
+    messages = parse_messages(body.get("messages"))
+    if not getattr(getattr(self.tokenizer, "hf", None), "chat_template", None):
+      raise ApiError(400, "this server's tokenizer has no chat template: use /v1/completions",
+                     "no_chat_template")
+    ep = self._claim(body, path_episode, headers or {}, "chat")
+    try:
+      if messages[-1]["role"] == "assistant":
+        raise ApiError(400, "the last message must not be the assistant's")
+      if ep.turns == 0:
+        new_ids = self._render_ids(messages, None)
+      else:
+        known = ep.messages
+        for i, m in enumerate(known):
+          if i >= len(messages) or not same_message(messages[i], m):
+            raise ApiError(400, f"history_mismatch: messages[{i}] ({m['role']}) differs from "
+                           "the episode's recorded conversation (earlier messages and replies "
+                           "must be sent back unchanged; start a new episode to branch)",
+                           "history_mismatch")
+        new = messages[len(known):]  # not empty: the last message is not the reply
+        if any(m["role"] == "assistant" for m in new):
+          raise ApiError(400, "history_mismatch: an assistant message the engine did not "
+                         "sample; replies must be this server's", "history_mismatch")
+        new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id)
+      turn = self._run_turn(ep, new_ids, sampling, max_tokens)
+      reply = self._reply_text(turn.sampled)
+      with self._lock:
+        ep.kind = "chat"
+        ep.messages = messages + [{"role": "assistant", "content": reply}]
+    finally:
+      with self._lock:
+        ep.busy = False
+    choice = {"index": 0, "message": {"role": "assistant", "content": reply},
+              "finish_reason": finish_reason_name(ep.finish_reason), "logprobs": None}
+    if body.get("logprobs"):
+      choice["logprobs"] = {"content": [
+          {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+          for s, lp in zip(self._pieces(turn.sampled), turn.sampled_logprobs)]}
+    return self._response("chat.completion", "chatcmpl", ep, turn, choice)
+
+  def complete(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
+    sampling, max_tokens = self._sampling(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]
+    ids_mode = isinstance(prompt, list)
+    if ids_mode and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+      raise ApiError(400, "prompt must be a string or one list of token ids")
+    if not ids_mode and not isinstance(prompt, str):
+      raise ApiError(400, "prompt must be a string or one list of token ids")
+    if body.get("echo") or body.get("suffix") or body.get("best_of", 1) != 1:
+      raise ApiError(400, "echo, suffix and best_of are not supported")
+    ep = self._claim(body, path_episode, headers or {}, "completion")
+    try:
+      if ep.turns and ids_mode != ep.ids_mode:
+        raise ApiError(400, f"episode {ep.episode_id!r} takes its prompts as "
+                       f"{'token ids' if ep.ids_mode else 'text'}", "history_mismatch")
+      if ids_mode:
+        if prompt[:len(ep.tokens)] != ep.tokens:
+          raise ApiError(400, "history_mismatch: the prompt's ids do not start with the "
+                         "episode's tokens", "history_mismatch")
+        new_ids = prompt[len(ep.tokens):]
+      else:
+        known = ep.text or ""
+        if not prompt.startswith(known):
+          raise ApiError(400, "history_mismatch: the prompt does not start with the "
+                         "episode's text so far (its prompts and completions)",
+                         "history_mismatch")
+        try:
+          new_ids = self.tokenizer.encode(prompt[len(known):]).tolist()
+        except ValueError as e:
+          raise ApiError(400, f"prompt: {e}") from None
+      turn = self._run_turn(ep, new_ids, sampling, max_tokens)
+      text = self._reply_text(turn.sampled)
+      with self._lock:
+        ep.kind, ep.ids_mode = "completion", ids_mode
+        ep.text = None if ids_mode else prompt + text
+    finally:
+      with self._lock:
+        ep.busy = False
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason_name(ep.finish_reason),
+              "logprobs": None}
+    if body.get("logprobs") is not None:
+      pieces = self._pieces(turn.sampled)
+      choice["logprobs"] = {"tokens": pieces, "token_logprobs": turn.sampled_logprobs,
+                            "top_logprobs": None,
+                            "text_offset": np.cumsum([0] + [len(p) for p in pieces[:-1]]
+                                                     ).tolist()}
+    return self._response("text_completion", "cmpl", ep, turn, choice)
+
+  def _response(self, obj: str, prefix: str, ep: EpisodeRecord, turn: Turn,
+                choice: dict) -> dict:
+    prompt_tokens = turn.start + len(turn.new_ids)
+    return {"id": f"{prefix}-{ep.episode_id}-{ep.turns}", "object": obj,
+            "created": int(time.time()), "model": self.model_name, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(turn.sampled),
+                      "total_tokens": prompt_tokens + len(turn.sampled)},
+            "rljax": {"episode_id": ep.episode_id, "group_id": ep.group_id, "turn": ep.turns,
+                      "request_id": ep.request_id, "prompt_token_ids": turn.new_ids,
+                      "completion_token_ids": turn.sampled,
+                      "completion_logprobs": turn.sampled_logprobs}}
+

@@ -1,0 +1,63 @@
+"""Rendering: the chat template applied incrementally, and sampled ids back to text. A
+mixin of `Endpoint` (it holds `tokenizer` and `stop_ids`)."""
+
+from __future__ import annotations
+
+from rljax.serving.api import ApiError
+
+SENTINEL = "\u2063rljax-end-of-reply\u2063"  # stands for the last reply's content in a render
+
+
+class Renderer:
+  """Text in and out of token space for the endpoint."""
+
+  def _reply_text(self, sampled: list[int]) -> str:
+    ids = sampled[:-1] if sampled and sampled[-1] in self.stop_ids else sampled
+    return self._decode(ids)
+
+  def _pieces(self, ids: list[int]) -> list[str]:
+    return [self._decode([t]) for t in ids]
+
+  def _decode(self, ids: list[int]) -> str:
+    """Text of sampled ids; an id of the model's vocabulary that is no token of the
+    tokenizer's (the model's table may be larger) reads as U+FFFD. Never raises: the text
+    is the episode's record of what was said, the ids are the truth."""
+    out, run = [], []
+    for t in list(ids) + [None]:
+      if t is not None and 0 <= t < self.tokenizer.vocab_size:
+        run.append(t)
+        continue
+      if run:
+        out.append(self.tokenizer.decode(run))
+        run = []
+      if t is not None:
+        out.append("\ufffd")
+    return "".join(out)
+
+  def _render(self, messages: list[dict]) -> str:
+    return self.tokenizer.hf.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+
+  def _render_ids(self, history: list[dict], new: list[dict] | None, *,
+                  stopped_on: int | None = None) -> list[int]:
+    """First turn (`new` None): the messages rendered with the generation prompt. Later:
+    the template applied to the delta in context (see the module docstring)."""
+    try:
+      if new is None:
+        return self.tokenizer.encode(self._render(history)).tolist()
+      context = [dict(m) for m in history]
+      context[-1]["content"] = SENTINEL
+      text = self._render(context + new)
+    except ApiError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (a template's own errors)
+      raise ApiError(400, f"the chat template failed on these messages: {e}") from None
+    if text.count(SENTINEL) != 1:
+      raise ApiError(500, "the chat template does not render the last reply's content once",
+                     kind="server_error")
+    after = text[text.index(SENTINEL) + len(SENTINEL):]
+    if stopped_on is not None:
+      stop_text = self._decode([stopped_on])
+      if stop_text and after.startswith(stop_text):
+        after = after[len(stop_text):]
+    return self.tokenizer.encode(after).tolist()

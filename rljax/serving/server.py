@@ -1,0 +1,92 @@
+"""The HTTP side: one `http.server` handler class routing requests to an `Endpoint`."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+
+from rljax.serving.api import ApiError
+
+_EPISODE_PATH = re.compile(r"^/episodes/([^/]+)(/v1/.*)$")
+
+
+def make_handler(endpoint):
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "rljax-endpoint"
+
+    def log_message(self, *args):  # quiet: no line per request on stderr
+      pass
+
+    def _send(self, status: int, body: dict) -> None:
+      data = json.dumps(body, allow_nan=False).encode()
+      self.send_response(status)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def _body(self) -> dict:
+      n = int(self.headers.get("Content-Length") or 0)
+      raw = self.rfile.read(n) if n else b""
+      try:
+        body = json.loads(raw or b"{}")
+      except ValueError:
+        raise ApiError(400, "the body is not JSON") from None
+      if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+      return body
+
+    def _route(self, method: str) -> None:
+      try:
+        path, episode = self.path.split("?")[0].rstrip("/"), None
+        m = _EPISODE_PATH.match(path)
+        if m:
+          episode, path = m.group(1), m.group(2)
+        body = self._body()  # read whatever came, so a kept-alive connection stays in step
+        endpoint.stats["http_requests"] += 1
+        if method == "POST" and path == "/v1/chat/completions":
+          out = endpoint.chat(body, episode, self.headers)
+        elif method == "POST" and path == "/v1/completions":
+          out = endpoint.complete(body, episode, self.headers)
+        elif method == "POST" and path == "/v1/episodes":
+          out = endpoint.episode(endpoint.register(body.get("episode_id"),
+                                                   body.get("group_id"))).summary()
+        elif method == "POST" and path.startswith("/v1/episodes/") and path.endswith("/finish"):
+          eid = path[len("/v1/episodes/"):-len("/finish")]
+          if "reward" not in body:
+            raise ApiError(400, "finish needs {'reward': number}")
+          endpoint.finish(eid, body["reward"], body.get("outcome"))
+          out = endpoint.episode(eid).summary()
+        elif method == "DELETE" and path.startswith("/v1/episodes/"):
+          endpoint.drop(path[len("/v1/episodes/"):])
+          out = {"deleted": True}
+        elif method == "GET" and path.startswith("/v1/episodes/"):
+          out = endpoint.episode(path[len("/v1/episodes/"):]).summary()
+        elif method == "GET" and path == "/v1/models":
+          out = {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
+                                             "created": 0, "owned_by": "rljax"}]}
+        elif method == "GET" and path == "/health":
+          out = {"ok": endpoint._broken is None}  # pylint: disable=protected-access
+        else:
+          raise ApiError(404, f"no route {method} {path}", "not_found")
+        self._send(200, out)
+      except ApiError as e:
+        endpoint.stats[f"http_{e.status}"] += 1
+        self._send(e.status, e.body())
+      except Exception as e:  # pylint: disable=broad-except
+        endpoint.stats["http_500"] += 1
+        self._send(500, ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      self._route("GET")
+
+    def do_POST(self):  # pylint: disable=invalid-name
+      self._route("POST")
+
+    def do_DELETE(self):  # pylint: disable=invalid-name
+      self._route("DELETE")
+
+  return Handler
