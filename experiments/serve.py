@@ -13,7 +13,7 @@ OpenAI client (`base_url=http://127.0.0.1:8000/episodes/<id>/v1`, or
 {"reward": r}`. With --groups_dir every complete group (--group_size finished episodes)
 is written there as `group_<n>.npz` (`pipeline/npz.py`: the header names the group and
 its episodes, the arrays are `pipeline/wire.py`'s), what a trainer reads like any other
-group. Binds 127.0.0.1 unless --host says otherwise (there is no authentication).
+group; registering more than --group_size episodes in a group is a 409 `group_full`. Binds 127.0.0.1 unless --host says otherwise (there is no authentication).
 Prints one JSON object when it stops (--max_seconds, or Ctrl-C).
 """
 
@@ -63,13 +63,14 @@ def main(argv):
   written = 0
   t0 = time.monotonic()
   with Endpoint(engine, built.env.tokenizer, sampling=built.sampling, seed=seed,
-                model_name=config.name, host=_HOST.value, port=_PORT.value) as endpoint:
+                model_name=config.name, host=_HOST.value, port=_PORT.value,
+                group_size=group_size) as endpoint:
     print(json.dumps({"url": endpoint.url, "model": config.name}), flush=True)
     if _GROUPS_DIR.value:
       os.makedirs(_GROUPS_DIR.value, exist_ok=True)
     try:
       while _MAX_SECONDS.value is None or time.monotonic() - t0 < _MAX_SECONDS.value:
-        for group in endpoint.take_groups(group_size, wait_for=1, timeout_s=1.0):
+        for group in endpoint.take_groups(wait_for=1, timeout_s=1.0):
           if not _GROUPS_DIR.value:
             continue
           header = {"group_id": group.task.task_id, "index": group.request_id,

@@ -5,6 +5,7 @@ ids (bitwise), re-scored by the trainer's forward (0.0), and the finished episod
 through the wire and one GRPO update (mismatch_max_abs 0.0)."""
 
 import dataclasses
+import http.client
 import json
 import threading
 import time
@@ -326,6 +327,46 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(served):
   assert run.engine.pool.used_count == 0  # every finished episode's pages are back
 
 
+def test_over_registration_and_malformed_requests_are_4xx_and_nothing_raises(served):
+  # a third episode in a group of two is refused at registration (it used to be accepted,
+  # and take_groups then raised in serve.py's loop); a group the endpoint did not bound
+  # that outgrows take_groups' size is left out, never an exception
+  run, endpoint = served
+  endpoint.group_size = 2
+  try:
+    _register(endpoint, "pair-a", "pair")
+    _register(endpoint, "pair-b", "pair")
+    status, out = _post(endpoint, "/v1/episodes", {"episode_id": "pair-c", "group_id": "pair"})
+    assert status == 409 and out["error"]["code"] == "group_full", out
+    assert endpoint.take_groups() == []  # the endpoint's group size
+  finally:
+    endpoint.group_size = None
+  for eid in ("big-a", "big-b", "big-c"):
+    _register(endpoint, eid, "big")
+  before = endpoint.stats["oversized_groups"]
+  assert all(g.task.task_id != "big" for g in endpoint.take_groups(2))
+  assert endpoint.stats["oversized_groups"] == before + 1
+  for eid in ("pair-a", "pair-b", "big-a", "big-b", "big-c"):
+    endpoint.drop(eid)
+  # malformed HTTP: 400s, and the server answers the next request
+  conn = http.client.HTTPConnection(endpoint.url[len("http://"):], timeout=30)
+  conn.putrequest("POST", "/v1/episodes")
+  conn.putheader("Content-Length", "lots")
+  conn.endheaders()
+  r = conn.getresponse()
+  assert r.status == 400 and "Content-Length" in json.loads(r.read())["error"]["message"]
+  conn.close()
+  for path, body in (("/v1/episodes", {"episode_id": 5}), ("/v1/episodes", {"group_id": "a b"}),
+                     ("/v1/chat/completions", {"messages": "hi", "episode_id": "x"}),
+                     ("/v1/completions", {"prompt": [1.5], "episode_id": "x"}),
+                     ("/v1/episodes/nobody/finish", {"reward": "high"})):
+    status, out = _post(endpoint, path, body)
+    assert 400 <= status < 500, (path, body, status, out)
+  with urllib.request.urlopen(endpoint.url + "/health", timeout=30) as r:
+    assert json.loads(r.read()) == {"ok": True}
+  assert endpoint.stats["http_500"] == 0
+
+
 @pytest.fixture(scope="module")
 def concurrent_groups(served, reference_engine):
   """Two groups of two episodes, 3 turns each, driven from 4 threads at once with room for
@@ -386,6 +427,8 @@ def test_finished_groups_train_like_env_groups(served, concurrent_groups):
   groups = [g for g in endpoint.take_groups(2) if g.task.task_id in ("g0", "g1")]
   assert [g.task.task_id for g in groups] == ["g0", "g1"]
   assert endpoint.take_groups(2) == []  # taken once
+  status, out = _post(endpoint, "/v1/episodes", {"episode_id": "late", "group_id": "g0"})
+  assert status == 409 and out["error"]["code"] == "group_taken"
   decoded = []
   for g in groups:
     assert [t.sample_index for t in g.trajectories] == [0, 1]

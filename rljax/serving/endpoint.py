@@ -30,11 +30,14 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
   the engine's model uses (`hf.apply_chat_template` for chat). `sampling`: the server's
   sampling (max_new_tokens = the default max_tokens); `seed`: the sampling key seed.
   `max_resident`: episodes whose sequences the engine may hold at once (default: as many
-  as its page pool holds at max_seq_len). `model_name`: what responses name."""
+  as its page pool holds at max_seq_len). `model_name`: what responses name (and the one
+  model a request may name). `group_size`: episodes a group holds (a registration beyond
+  it is a 409 `group_full`; `take_groups`' default)."""
 
   def __init__(self, engine: DecodeEngine, tokenizer, *, sampling: SamplingParams,
                seed: int = 0, max_resident: int | None = None, model_name: str = "rljax",
-               host: str = "127.0.0.1", port: int = 0, first_request_id: int = 1):
+               host: str = "127.0.0.1", port: int = 0, first_request_id: int = 1,
+               group_size: int | None = None):
     if not engine.idle or engine.parked:
       raise ValueError("the engine has work of its own; the endpoint needs it idle")
     self.engine, self.tokenizer, self.seed, self.model_name = engine, tokenizer, seed, model_name
@@ -55,6 +58,9 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     self._resident: dict[int, EpisodeRecord] = {}  # held by the engine (the owner thread's)
     self._groups: dict[str, list[EpisodeRecord]] = {}  # group id -> episodes, in order
     self._group_index: dict[str, int] = {}
+    self.group_size = group_size  # episodes a group: registering more is a 409 (None: any)
+    self._taken_groups: set[str] = set()  # handed to the trainer: registering into one is a 409
+    self._oversized: set[str] = set()  # groups take_groups left out (logged once)
     self._next_rid = first_request_id
     self._finished_cv = threading.Condition(self._lock)
     self._inbox: queue.Queue = queue.Queue()

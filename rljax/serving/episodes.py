@@ -5,6 +5,7 @@ groups handed to the trainer (`take_groups`). A mixin of `Endpoint` (it holds `_
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 import uuid
@@ -76,6 +77,13 @@ class EpisodeStore:
     with self._lock:
       if episode_id in self._episodes:
         raise ApiError(409, f"episode {episode_id!r} exists", "episode_exists")
+      group = self._groups.get(group_id, [])
+      if self.group_size is not None and len(group) >= self.group_size:
+        raise ApiError(409, f"group {group_id!r} has its {self.group_size} episodes already",
+                       "group_full")
+      if group_id in self._taken_groups:
+        raise ApiError(409, f"group {group_id!r} was complete and handed to the trainer",
+                       "group_taken")
       if self._next_rid > MAX_REQUEST_ID:
         raise ApiError(503, "request ids exhausted", kind="server_error")
       ep = EpisodeRecord(episode_id, group_id, self._next_rid, time.time())
@@ -146,20 +154,30 @@ class EpisodeStore:
     with self._lock:
       return self._episode(episode_id)
 
-  def take_groups(self, group_size: int, *, wait_for: int = 0,
+  def take_groups(self, group_size: int | None = None, *, wait_for: int = 0,
                   timeout_s: float = 0.0) -> list[Group]:
     """Removes and returns the complete groups (`group_size` finished episodes, none open),
     in the order they were first registered; each Trajectory's `group_id` is the group's
     index, `sample_index` its episode's place in the group. `wait_for` > 0: waits up to
-    `timeout_s` until that many are complete. A group with more episodes than group_size
-    is an error (ValueError)."""
+    `timeout_s` until that many are complete. `group_size` default: the endpoint's (which
+    registration enforces). Never raises on the groups' contents: a group with more
+    episodes than `group_size` (possible only when registration did not enforce it) is
+    left out, logged once and counted in `stats["oversized_groups"]`."""
+    group_size = self.group_size if group_size is None else group_size
+    if not isinstance(group_size, int) or group_size < 1:
+      raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     deadline = time.monotonic() + timeout_s
     with self._lock:
       while True:
         ready = []
         for gid, eps in self._groups.items():
           if len(eps) > group_size:
-            raise ValueError(f"group {gid!r} has {len(eps)} episodes, more than {group_size}")
+            if gid not in self._oversized:
+              self._oversized.add(gid)
+              self.stats["oversized_groups"] += 1
+              logging.warning("group %r has %d episodes, more than %d: not taken", gid,
+                              len(eps), group_size)
+            continue
           if len(eps) == group_size and all(e.finished is not None for e in eps):
             ready.append(gid)
         left = deadline - time.monotonic()
@@ -169,6 +187,7 @@ class EpisodeStore:
       out = []
       for gid in ready:
         eps = self._groups.pop(gid)
+        self._taken_groups.add(gid)
         trajs = []
         for i, e in enumerate(eps):
           e.taken = True

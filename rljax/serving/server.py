@@ -29,7 +29,13 @@ def make_handler(endpoint):
       self.wfile.write(data)
 
     def _body(self) -> dict:
-      n = int(self.headers.get("Content-Length") or 0)
+      try:
+        n = int(self.headers.get("Content-Length") or 0)
+      except ValueError:
+        n = -1
+      if n < 0:
+        self.close_connection = True  # the body's end is unknown: the connection is done
+        raise ApiError(400, "Content-Length must be a non-negative integer")
       raw = self.rfile.read(n) if n else b""
       try:
         body = json.loads(raw or b"{}")
