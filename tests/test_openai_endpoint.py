@@ -367,6 +367,113 @@ def test_over_registration_and_malformed_requests_are_4xx_and_nothing_raises(ser
   assert endpoint.stats["http_500"] == 0
 
 
+def _chat(client, eid, messages, extra_body=None, **kwargs):
+  return client.chat.completions.create(model="rljax", messages=messages,
+                                        extra_body={"episode_id": eid, **(extra_body or {})},
+                                        **kwargs)
+
+
+def test_seed_greedy_stop_strings_and_limits_are_honoured(served):
+  run, endpoint = served
+  tok = run.env.tokenizer
+  client = _client(endpoint)
+  msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12 + 34?"}]
+  ids = lambda r: r.rljax["completion_token_ids"]  # noqa: E731
+  # seed: the same seed and messages give the same tokens in two episodes, another seed not
+  for eid in ("seed-a", "seed-b", "seed-c", "greedy-a", "greedy-b"):
+    _register(endpoint, eid)
+  a = _chat(client, "seed-a", msgs, max_tokens=8, seed=123)
+  b = _chat(client, "seed-b", msgs, max_tokens=8, seed=123)
+  c = _chat(client, "seed-c", msgs, max_tokens=8, seed=124)
+  assert ids(a) == ids(b) and a.rljax["completion_logprobs"] == b.rljax["completion_logprobs"]
+  assert ids(a) != ids(c)
+  # temperature=0: greedy (no key at all: two episodes agree without a seed); the record
+  # keeps the temperature-1 log-probs, the trainer's
+  g1 = _chat(client, "greedy-a", msgs, max_tokens=6, temperature=0)
+  g2 = _chat(client, "greedy-b", msgs, max_tokens=6, temperature=0.0)
+  assert ids(g1) == ids(g2) and len(ids(g1)) <= 6
+  # max_completion_tokens caps the turn
+  m = _chat(client, "seed-c", msgs + [{"role": "assistant", "content": c.choices[0].message.content},
+                                       {"role": "tool", "content": "result: 46"}],
+            max_completion_tokens=2)
+  assert len(ids(m)) <= 2
+  trajs = [endpoint.finish(e, reward=1.0) for e in ("seed-a", "seed-c", "greedy-a")]
+  endpoint.finish("seed-b", reward=0.0)
+  endpoint.finish("greedy-b", reward=0.0)
+  assert rescore_diff(run, trajs) == 0.0
+
+  # stop as text: a string spanning two sampled tokens (found in a seeded reply) stops the
+  # same seeded reply where its text first holds it; the content leaves it out, the record
+  # keeps the sampled tokens through the one that completed it, and the episode continues
+  dec = endpoint._decode  # pylint: disable=protected-access  (ids past the tokenizer's: U+FFFD)
+  for seed in range(200, 230):
+    _register(endpoint, f"probe-{seed}")
+    probe = ids(_chat(client, f"probe-{seed}", msgs, max_tokens=8, seed=seed))
+    endpoint.drop(f"probe-{seed}")
+    body = [t for t in probe if t not in endpoint.stop_ids]
+    spots = [i for i in range(1, len(body) - 1)
+             if "\ufffd" not in dec(body[:i + 2]) and len(dec(body[i:i + 2])) >= 2
+             and len(dec(body[i:i + 1])) >= 1]
+    if spots:
+      break
+  assert spots, "no seeded reply with two clean tokens to stop on"
+  i = spots[0]
+  stop = dec(body[i:i + 2])
+  k = next(n for n in range(1, len(body) + 1) if stop in dec(body[:n]))
+  _register(endpoint, "stopped")
+  cuts = endpoint.stats["stop_string_cuts"]
+  r = _chat(client, "stopped", msgs, max_tokens=8, seed=seed, stop=[stop, "never-said-xyz"])
+  assert ids(r) == body[:k] and r.choices[0].finish_reason == "stop"
+  full = dec(body[:k])
+  assert r.choices[0].message.content == full[:full.index(stop)]
+  assert stop not in r.choices[0].message.content
+  r2 = _chat(client, "stopped", msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                                        {"role": "tool", "content": "result: 46"}], max_tokens=4)
+  assert tok.decode(r2.rljax["prompt_token_ids"]).startswith("<|im_end|>\n<|im_start|>tool")
+  traj = endpoint.finish("stopped", reward=1.0)
+  assert traj.completion_ids[:k].tolist() == body[:k] and traj.loss_mask[:k].all()
+  assert not traj.loss_mask[k]  # the template's close and the tool message: observation
+  assert rescore_diff(run, [traj]) == 0.0
+  assert endpoint.stats["stop_string_cuts"] == cuts + (k < len(probe))  # engine's copy dropped
+  assert run.engine.pool.used_count == 0
+
+
+def test_unsupported_parameters_and_unknown_models_are_refused_by_name(served):
+  run, endpoint = served
+  client = _client(endpoint)
+  _register(endpoint, "params")
+  msgs = [{"role": "user", "content": "hi"}]
+  for kwargs, param in ((dict(logit_bias={"5": 10}), "logit_bias"),
+                        (dict(presence_penalty=0.5), "presence_penalty"),
+                        (dict(frequency_penalty=1.0), "frequency_penalty"),
+                        (dict(response_format={"type": "json_object"}), "response_format"),
+                        (dict(stream=True), "stream"), (dict(n=2), "n"),
+                        (dict(temperature=0.5), "temperature"), (dict(top_p=0.9), "top_p"),
+                        (dict(seed="x"), "seed"), (dict(stop=["a"] * 5), "stop"),
+                        (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty")):
+    with pytest.raises(openai.BadRequestError) as e:
+      _chat(client, "params", msgs, **kwargs)
+    assert e.value.param == param and param in e.value.message, (kwargs, e.value)
+  with pytest.raises(openai.NotFoundError) as e:
+    client.chat.completions.create(model="gpt-4o", messages=msgs,
+                                   extra_body={"episode_id": "params"})
+  assert e.value.code == "model_not_found"
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="rljax", prompt="hi", best_of=2,
+                              extra_body={"episode_id": "params"})
+  assert e.value.param == "best_of"
+  assert client.models.retrieve("rljax").id == "rljax"
+  with pytest.raises(openai.NotFoundError) as e:
+    client.models.retrieve("gpt-4o")
+  assert e.value.code == "model_not_found"
+  # no-op values some clients always send are served
+  r = _chat(client, "params", msgs, max_tokens=2, presence_penalty=0, frequency_penalty=0.0,
+            logit_bias={}, stream=False, user="someone")
+  assert len(r.rljax["completion_token_ids"]) <= 2
+  endpoint.finish("params", reward=0.0)
+  assert endpoint.stats["http_500"] == 0
+
+
 @pytest.fixture(scope="module")
 def concurrent_groups(served, reference_engine):
   """Two groups of two episodes, 3 turns each, driven from 4 threads at once with room for

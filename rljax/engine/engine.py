@@ -292,8 +292,8 @@ def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: 
 
 
 def _sampling_arrays(seqs: list[Seq | None], width: int):
-  """The sampling inputs of `width` slots: key ids (seed, request id, sample index, the
-  next token's position), temperature, top_k, top_p; empty slots get inert defaults."""
+  """The sampling inputs of `width` slots: key ids (seed, request id (or the request's
+  `sampling_id`), sample index, the next token's position), temperature, top_k, top_p; empty slots get inert defaults."""
   seed = np.zeros(width, np.int32)
   rid = np.zeros(width, np.int32)
   sidx = np.zeros(width, np.int32)
@@ -305,7 +305,7 @@ def _sampling_arrays(seqs: list[Seq | None], width: int):
     if s is None:
       continue
     sp = s.request.sampling
-    seed[i], rid[i], sidx[i], pos[i] = (s.request.seed, s.request.request_id, s.sample_index,
-                                        len(s.tokens))
+    key_rid = s.request.request_id if s.request.sampling_id is None else s.request.sampling_id
+    seed[i], rid[i], sidx[i], pos[i] = (s.request.seed, key_rid, s.sample_index, len(s.tokens))
     temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
   return (seed, rid, sidx, pos), temp, top_k, top_p

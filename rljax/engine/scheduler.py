@@ -45,6 +45,7 @@ class Request:
   seed: int = 0
   group_id: int = -1
   keep_pages: bool = False  # park the sequence at the end of the turn (multi-turn)
+  sampling_id: int | None = None  # the request id in its tokens' sampling keys (None: request_id)
 
 
 @dataclasses.dataclass(eq=False)

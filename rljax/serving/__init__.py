@@ -10,7 +10,7 @@ Endpoints (JSON over HTTP/1.1, `http.server.ThreadingHTTPServer`, non-streaming)
   POST /v1/episodes/{id}/finish      {"reward": r, "outcome"?} -> the episode is a Trajectory
   GET  /v1/episodes/{id}             the record so far (turns, token counts, state)
   DELETE /v1/episodes/{id}           forget an unfinished episode (its group stops waiting)
-  GET  /v1/models, GET /health
+  GET  /v1/models, GET /v1/models/{id}, GET /health
 
 Episodes. Every generation call belongs to an episode the harness registered first
 (`POST /v1/episodes`; an unknown id is a 404, never a silently new episode). A call names
@@ -62,12 +62,23 @@ last sampled token is never fed: zeros). Every response also carries these ids i
 `rljax` field (prompt_token_ids: the tokens this call appended, completion_token_ids,
 completion_logprobs), so a harness can check token in / token out itself.
 
+Parameters: each one is honoured, or the call is a 400 naming it (`error.param`); values
+that ask for nothing (`presence_penalty: 0`, `logit_bias: {}`, `stream: false`, ...) pass.
 Sampling is the server's (`sampling`, e.g. the config's rl block: the trainer's loss
-assumes the behaviour temperature): a request's `temperature` / `top_p` other than the
-server's is a 400; `max_tokens` (or `max_completion_tokens`) caps the turn, within the
-room max_seq_len leaves (a prompt that leaves none: 400 `context_length_exceeded`);
-`stop` may name single tokens only; `n` must be 1 (a GRPO group is several episodes);
-`logprobs` returns the behaviour log-probs (`top_logprobs` unsupported).
+assumes the behaviour temperature): `temperature` / `top_p` other than the server's are a
+400, except `temperature: 0`, greedy (the record keeps the temperature-1 log-probs).
+`seed`: the turn's sampling keys are (seed, a fixed id, position) instead of (server seed,
+the episode's request id, position), so the same seed, tokens and weights sample the same
+tokens in any episode. `max_tokens` (or `max_completion_tokens`) caps the turn, within
+the room max_seq_len leaves (a prompt that leaves none: 400 `context_length_exceeded`).
+`stop`: up to 4 strings matched on the decoded text (across tokens); the turn ends with
+the token whose text completes one (a single-token one also stops the engine; otherwise
+the engine's tokens after it are dropped from the record and its sequence released: the
+next turn resubmits the record), finish_reason "stop", the content cut before the stop
+string (recorded, not returned; a completion prompt may repeat it). `n` must be 1 (a
+GRPO group is several episodes); `logprobs` returns the behaviour log-probs
+(`top_logprobs` unsupported); `model` other than the server's: 404 `model_not_found`.
+Registering more episodes in a group than the endpoint's `group_size`: 409 `group_full`.
 
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
 last call was refused with `context_length_exceeded`, finishes as an episode cut by the

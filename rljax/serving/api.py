@@ -1,5 +1,6 @@
-"""The OpenAI schema's side of the endpoint: errors as OpenAI answers them, the messages
-of a chat request, what each finish reason is called."""
+"""The OpenAI schema's side of the endpoint: errors as OpenAI answers them, which request
+parameters are served (every other one is a 400 naming it), the messages of a chat
+request, what each finish reason is called."""
 
 from __future__ import annotations
 
@@ -12,13 +13,38 @@ class ApiError(Exception):
   """An error answered to the client: HTTP status, message, OpenAI-style type and code."""
 
   def __init__(self, status: int, message: str, code: str | None = None,
-               kind: str = "invalid_request_error"):
+               kind: str = "invalid_request_error", param: str | None = None):
     super().__init__(message)
     self.status, self.message, self.code, self.kind = status, message, code, kind
+    self.param = param
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.kind, "code": self.code,
-                      "param": None}}
+                      "param": self.param}}
+
+
+# request fields the endpoint serves (each checked where it is used)
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                     "logprobs", "user", "episode_id"})
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+# fields accepted only at a value that asks for nothing (some clients always send them)
+NO_OP_VALUES = {"stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                "logit_bias": ({},), "response_format": ({"type": "text"},),
+                "store": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
+                "parallel_tool_calls": (True, False)}
+
+
+def check_fields(body: Mapping, fields: frozenset) -> None:
+  """A 400 naming the first parameter this server does not honour (null: not given)."""
+  for key, value in body.items():
+    if value is None or key in fields:
+      continue
+    if key in NO_OP_VALUES and any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                   for v in NO_OP_VALUES[key]):
+      continue
+    raise ApiError(400, f"{key}={str(value)[:80]}: this server does not support {key!r}",
+                   "unsupported_parameter", param=key)
 
 
 

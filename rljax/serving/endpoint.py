@@ -17,11 +17,22 @@ import numpy as np
 from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.engine.pages import pages_for
 from rljax.rl.trajectory import FinishReason
-from rljax.serving.api import ApiError, finish_reason_name, parse_messages, same_message
-from rljax.serving.episodes import EpisodeRecord, EpisodeStore
+from rljax.serving.api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, check_fields,
+                               finish_reason_name, parse_messages, same_message)
+from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
 from rljax.serving.server import make_handler
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A generation call's parameters, checked."""
+  sampling: SamplingParams  # without the turn's budget
+  max_tokens: int
+  seed: int
+  sampling_id: int | None  # the sampling keys' request id (None: the episode's)
+  stop_texts: tuple[str, ...]
 
 
 class Endpoint(EpisodeStore, EngineOwner, Renderer):
@@ -117,39 +128,61 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
 
   # ---- request handling (handler threads) ----------------------------------------------
 
-  def _sampling(self, body: Mapping) -> tuple[SamplingParams, int]:
-    """This call's SamplingParams (without its budget) and its max_tokens."""
+  def _params(self, body: Mapping, kind: str) -> _Call:
+    """This call's parameters: each one honoured, or a 400 naming it."""
+    check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
+    model = body.get("model")
+    if model is not None and model != self.model_name:
+      raise ApiError(404, f"the model {str(model)[:80]!r} does not exist; this server serves "
+                     f"{self.model_name!r}", "model_not_found", param="model")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    sampling = self.sampling
+    temperature = body.get("temperature")
+    if temperature is not None and number(temperature) and float(temperature) == 0.0:
+      sampling = dataclasses.replace(sampling, temperature=0.0)  # greedy
     for key, ours in (("temperature", self.sampling.temperature),
                       ("top_p", self.sampling.top_p)):
       value = body.get(key)
-      if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                or float(value) != float(ours)):
+      if value is None or (key == "temperature" and sampling.temperature == 0.0):
+        continue
+      if not number(value) or float(value) != float(ours):
         raise ApiError(400, f"{key}={body[key]}: this server samples with {key}={ours} (the "
-                       "trainer's behaviour policy)", "unsupported_sampling")
+                       "trainer's behaviour policy) or greedily (temperature=0)",
+                       "unsupported_sampling", param=key)
     if body.get("n", 1) != 1:
-      raise ApiError(400, "n must be 1: a GRPO group is several episodes with one group_id")
-    if body.get("stream"):
-      raise ApiError(400, "streaming is not supported", "unsupported_stream")
+      raise ApiError(400, "n must be 1: a GRPO group is several episodes with one group_id",
+                     param="n")
     if body.get("top_logprobs"):
-      raise ApiError(400, "top_logprobs is not supported")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    extra = []
-    for s in stop:
-      t = self.tokenizer.token_to_id(s) if isinstance(s, str) else None
-      if t is None:
-        raise ApiError(400, f"stop {s!r}: only single tokens of the vocabulary can stop")
-      if t not in self.stop_ids and t not in extra:
-        extra.append(t)
-    sampling = dataclasses.replace(self.sampling,
-                                   stop_tokens=self.sampling.stop_tokens + tuple(extra))
-    if len(sampling.stop_tokens) > self.engine.max_stop_tokens:
-      raise ApiError(400, f"at most {self.engine.max_stop_tokens} stop tokens in all")
+      raise ApiError(400, "top_logprobs is not supported", param="top_logprobs")
+    seed, sampling_id = self.seed, None
+    if body.get("seed") is not None:
+      if not isinstance(body["seed"], int) or isinstance(body["seed"], bool):
+        raise ApiError(400, f"seed must be an integer, got {body['seed']!r}", param="seed")
+      # keyed by the seed alone (an id no episode has): same seed and tokens, same sample
+      seed, sampling_id = body["seed"] % 2**31, MAX_REQUEST_ID
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(
+        isinstance(x, str) and x for x in stop):
+      raise ApiError(400, "stop must be a non-empty string or a list of at most 4",
+                     param="stop")
+    extra = []  # a stop string that is one token also stops the engine (no decode past it)
+    for text in stop:
+      try:
+        ids = [int(t) for t in self.tokenizer.encode(text)]
+      except ValueError:
+        continue
+      if len(ids) == 1 and ids[0] not in self.stop_ids and ids[0] not in extra and \
+          self._decode(ids) == text and \
+          len(sampling.stop_tokens) + len(extra) < self.engine.max_stop_tokens:
+        extra.append(ids[0])
+    sampling = dataclasses.replace(sampling, stop_tokens=sampling.stop_tokens + tuple(extra))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = self.sampling.max_new_tokens if max_tokens is None else max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-      raise ApiError(400, f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    return sampling, max_tokens
+      raise ApiError(400, f"max_tokens must be an int >= 1, got {max_tokens!r}",
+                     param="max_tokens")
+    return _Call(sampling, max_tokens, seed, sampling_id, tuple(stop))
 
   def _claim(self, body: Mapping, path_episode: str | None, headers, kind: str
              ) -> EpisodeRecord:
@@ -170,8 +203,14 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       ep.busy = True
     return ep
 
-  def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], sampling: SamplingParams,
-                max_tokens: int) -> Turn:
+  def model_card(self, model_id: str | None = None) -> dict:
+    """`GET /v1/models/{id}` (404 `model_not_found` for any other id)."""
+    if model_id is not None and model_id != self.model_name:
+      raise ApiError(404, f"the model {model_id[:80]!r} does not exist", "model_not_found",
+                     param="model")
+    return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rljax"}
+
+  def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], call: _Call) -> Turn:
     new_ids = [int(t) for t in new_ids]
     if any(not 0 <= t < self.engine.cfg.vocab_size for t in new_ids):
       raise ApiError(400, "token ids outside the model's vocabulary")
@@ -185,8 +224,9 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       raise ApiError(400, f"the episode's context would be {len(ep.tokens) + len(new_ids)} "
                      f"tokens; this engine's max_seq_len is {self.engine.max_seq_len} (one "
                      "token must stay free for the reply)", "context_length_exceeded")
-    turn = Turn(ep, new_ids, dataclasses.replace(sampling,
-                                                  max_new_tokens=min(max_tokens, room)))
+    turn = Turn(ep, new_ids, dataclasses.replace(call.sampling,
+                                                 max_new_tokens=min(call.max_tokens, room)),
+                seed=call.seed, sampling_id=call.sampling_id, stop_texts=call.stop_texts)
     self._inbox.put(turn)
     turn.done.wait()
     if turn.error is not None:
@@ -194,7 +234,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     return turn
 
   def chat(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
-    sampling, max_tokens = self._sampling(body)
+    call = self._params(body, "chat")
     messages = parse_messages(body.get("messages"))
     if not getattr(getattr(self.tokenizer, "hf", None), "chat_template", None):
       raise ApiError(400, "this server's tokenizer has no chat template: use /v1/completions",
@@ -218,8 +258,8 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           raise ApiError(400, "history_mismatch: an assistant message the engine did not "
                          "sample; replies must be this server's", "history_mismatch")
         new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id)
-      turn = self._run_turn(ep, new_ids, sampling, max_tokens)
-      reply = self._reply_text(turn.sampled)
+      turn = self._run_turn(ep, new_ids, call)
+      reply = turn.text
       with self._lock:
         ep.kind = "chat"
         ep.messages = messages + [{"role": "assistant", "content": reply}]
@@ -235,7 +275,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     return self._response("chat.completion", "chatcmpl", ep, turn, choice)
 
   def complete(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
-    sampling, max_tokens = self._sampling(body)
+    call = self._params(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
@@ -245,7 +285,9 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     if not ids_mode and not isinstance(prompt, str):
       raise ApiError(400, "prompt must be a string or one list of token ids")
     if body.get("echo") or body.get("suffix") or body.get("best_of", 1) != 1:
-      raise ApiError(400, "echo, suffix and best_of are not supported")
+      raise ApiError(400, "echo, suffix and best_of are not supported",
+                     "unsupported_parameter",
+                     param=next((k for k in ("echo", "suffix") if body.get(k)), "best_of"))
     ep = self._claim(body, path_episode, headers or {}, "completion")
     try:
       if ep.turns and ids_mode != ep.ids_mode:
@@ -262,15 +304,19 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           raise ApiError(400, "history_mismatch: the prompt does not start with the "
                          "episode's text so far (its prompts and completions)",
                          "history_mismatch")
+        rest = prompt[len(known):]
+        if ep.unsent_text and rest.startswith(ep.unsent_text):
+          rest = rest[len(ep.unsent_text):]  # recorded already (a stop string)
         try:
-          new_ids = self.tokenizer.encode(prompt[len(known):]).tolist()
+          new_ids = self.tokenizer.encode(rest).tolist()
         except ValueError as e:
           raise ApiError(400, f"prompt: {e}") from None
-      turn = self._run_turn(ep, new_ids, sampling, max_tokens)
-      text = self._reply_text(turn.sampled)
+      turn = self._run_turn(ep, new_ids, call)
+      text = turn.text
       with self._lock:
         ep.kind, ep.ids_mode = "completion", ids_mode
         ep.text = None if ids_mode else prompt + text
+        ep.unsent_text = "" if ids_mode else turn.extra_text
     finally:
       with self._lock:
         ep.busy = False

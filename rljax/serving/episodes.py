@@ -44,6 +44,7 @@ class EpisodeRecord:
   last_stop_id: int | None = None  # the stop token the last turn ended on
   messages: list[dict] = dataclasses.field(default_factory=list)  # chat: as recorded
   text: str | None = None  # completion (text mode): the episode's text so far
+  unsent_text: str = ""  # recorded after `text` (a stop string), not returned: a prompt may repeat it
   ids_mode: bool = False  # completion prompts are token ids
   busy: bool = False  # a call is in flight
   resident: bool = False  # the engine holds its sequence (parked, waiting or running)

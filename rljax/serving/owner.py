@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from rljax.engine.engine import OutOfPages, Request, SamplingParams
-from rljax.rl.trajectory import Trajectory
+from rljax.rl.trajectory import FinishReason, Trajectory
 from rljax.serving.api import ApiError
 from rljax.serving.episodes import EpisodeRecord
 
@@ -29,6 +29,11 @@ class Turn:
   sampled: list[int] = dataclasses.field(default_factory=list)
   sampled_logprobs: list[float] = dataclasses.field(default_factory=list)
   error: ApiError | None = None
+  seed: int = 0  # the sampling keys' seed and request id (None: the episode's request id)
+  sampling_id: int | None = None
+  stop_texts: tuple[str, ...] = ()  # the turn ends where its text first holds one of these
+  text: str = ""  # the reply's text (without a stop token's or a stop string's text)
+  extra_text: str = ""  # recorded text after `text` (a stop string and what its token held)
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,7 +143,7 @@ class EngineOwner:
     for _ in range(len(self._pending)):
       turn = self._pending.popleft()
       ep = turn.episode
-      key = dataclasses.replace(turn.sampling, max_new_tokens=0)
+      key = (dataclasses.replace(turn.sampling, max_new_tokens=0), turn.seed, turn.sampling_id)
       if ep.resident and ep.sampling != key:
         self._release(ep)  # other sampling: a fresh request under the same id
       if not ep.resident:
@@ -153,8 +158,9 @@ class EngineOwner:
         else:
           self.engine.submit(Request(ep.request_id, np.asarray(ep.tokens + turn.new_ids,
                                                                np.int32),
-                                     sampling=turn.sampling, seed=self.seed,
-                                     group_id=ep.request_id, keep_pages=True))
+                                     sampling=turn.sampling, seed=turn.seed,
+                                     group_id=ep.request_id, keep_pages=True,
+                                     sampling_id=turn.sampling_id))
           self.stats["resubmits" if ep.turns else "submits"] += 1
           ep.resident, ep.sampling = True, key
           self._resident[ep.request_id] = ep
@@ -174,6 +180,21 @@ class EngineOwner:
     p = len(traj.prompt_ids)
     sampled = tokens[fed:]
     lps = traj.behaviour_logprobs[fed - p:].tolist()
+    versions = traj.versions[fed - p:].tolist()
+    routing = None if traj.expert_ids is None else list(traj.expert_ids)
+    finish_reason, cut_short = traj.finish_reason, False
+    cut = self._stop_cut(sampled, turn.stop_texts)
+    if cut is None:
+      turn.text = self._reply_text(sampled)
+    else:  # a stop string: the record ends with the token that completed it
+      k, turn.text, turn.extra_text = cut
+      finish_reason = FinishReason.STOP
+      if k < len(sampled):
+        cut_short = True  # the engine's copy holds tokens the record does not
+        sampled, lps, versions, tokens = sampled[:k], lps[:k], versions[:k], tokens[:fed + k]
+        if routing is not None:  # the last recorded token was fed; the record's never is
+          routing = routing[:fed + k]
+          routing[-1] = np.zeros_like(routing[-1])
     with self._lock:
       if ep.turns == 0:
         ep.prompt_len = len(turn.new_ids)
@@ -184,14 +205,17 @@ class EngineOwner:
       ep.tokens = tokens
       ep.loss_mask += [True] * len(sampled)
       ep.logprobs += lps
-      ep.versions += traj.versions[fed - p:].tolist()
-      if traj.expert_ids is not None:  # rows of positions fed this turn (and the new last)
+      ep.versions += versions
+      if routing is not None:  # rows of positions fed this turn (and the new last)
         keep = max(start - 1, 0)
-        ep.routing = ep.routing[:keep] + list(traj.expert_ids[keep:])
+        ep.routing = ep.routing[:keep] + routing[keep:]
       ep.turns += 1
-      ep.finish_reason = traj.finish_reason
+      ep.finish_reason = finish_reason
       ep.last_stop_id = sampled[-1] if sampled and sampled[-1] in self.stop_ids else None
       ep.last_used = time.monotonic()
+    if cut_short and ep.resident:  # its next turn: a fresh submit of the record (same bits)
+      self._release(ep)
+      self.stats["stop_string_cuts"] += 1
     self.stats["turns"] += 1
     turn.sampled, turn.sampled_logprobs = sampled, lps
     turn.done.set()

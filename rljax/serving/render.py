@@ -15,6 +15,23 @@ class Renderer:
     ids = sampled[:-1] if sampled and sampled[-1] in self.stop_ids else sampled
     return self._decode(ids)
 
+  def _stop_cut(self, sampled: list[int], stops: tuple[str, ...]
+                ) -> tuple[int, str, str] | None:
+    """Where a reply's text first holds one of `stops` (matched on the decoded text, across
+    tokens): (k, the text before the stop, the rest of the first k tokens' text) for the
+    fewest leading sampled tokens k whose text holds one; None if none does."""
+    if not stops:
+      return None
+    body = sampled[:-1] if sampled and sampled[-1] in self.stop_ids else sampled
+    if not any(s in self._decode(body) for s in stops):
+      return None
+    for k in range(1, len(body) + 1):
+      text = self._decode(body[:k])
+      found = [text.find(s) for s in stops if s in text]
+      if found:
+        return k, text[:min(found)], text[min(found):]
+    return None
+
   def _pieces(self, ids: list[int]) -> list[str]:
     return [self._decode([t]) for t in ids]
 

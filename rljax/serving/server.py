@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import urllib.parse
 
 from rljax.serving.api import ApiError
 
@@ -72,8 +73,9 @@ def make_handler(endpoint):
         elif method == "GET" and path.startswith("/v1/episodes/"):
           out = endpoint.episode(path[len("/v1/episodes/"):]).summary()
         elif method == "GET" and path == "/v1/models":
-          out = {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
-                                             "created": 0, "owned_by": "rljax"}]}
+          out = {"object": "list", "data": [endpoint.model_card()]}
+        elif method == "GET" and path.startswith("/v1/models/"):
+          out = endpoint.model_card(urllib.parse.unquote(path[len("/v1/models/"):]))
         elif method == "GET" and path == "/health":
           out = {"ok": endpoint._broken is None}  # pylint: disable=protected-access
         else:
