@@ -13,7 +13,9 @@ OpenAI client (`base_url=http://127.0.0.1:8000/episodes/<id>/v1`, or
 {"reward": r}`. With --groups_dir every complete group (--group_size finished episodes)
 is written there as `group_<n>.npz` (`pipeline/npz.py`: the header names the group and
 its episodes, the arrays are `pipeline/wire.py`'s), what a trainer reads like any other
-group; registering more than --group_size episodes in a group is a 409 `group_full`. Binds 127.0.0.1 unless --host says otherwise (there is no authentication).
+group; registering more than --group_size episodes in a group is a 409 `group_full`.
+Requests' `tools` are rendered by the checkpoint's chat template and the model's calls
+returned as `message.tool_calls`, read by --tool_parser. Binds 127.0.0.1 unless --host says otherwise (there is no authentication).
 Prints one JSON object when it stops (--max_seconds, or Ctrl-C).
 """
 
@@ -42,6 +44,9 @@ _GROUPS_DIR = flags.DEFINE_string("groups_dir", "", "write complete groups here 
 _GROUP_SIZE = flags.DEFINE_integer("group_size", None, "episodes a group (default "
                                    "config.rl.group_size)")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", None, "stop after this long")
+_TOOL_PARSER = flags.DEFINE_string("tool_parser", "hermes", "how the model's tool calls are read "
+                                   "from its text: hermes (Qwen3's <tool_call>{json}</tool_call>), "
+                                   "none, or package.module:function")
 
 
 def main(argv):
@@ -64,7 +69,7 @@ def main(argv):
   t0 = time.monotonic()
   with Endpoint(engine, built.env.tokenizer, sampling=built.sampling, seed=seed,
                 model_name=config.name, host=_HOST.value, port=_PORT.value,
-                group_size=group_size) as endpoint:
+                group_size=group_size, tool_parser=_TOOL_PARSER.value) as endpoint:
     print(json.dumps({"url": endpoint.url, "model": config.name}), flush=True)
     if _GROUPS_DIR.value:
       os.makedirs(_GROUPS_DIR.value, exist_ok=True)

@@ -23,6 +23,7 @@ from rljax.envs.tokenizer import train_byte_level_bpe
 from rljax.model.scoring import max_abs_diff, packed_logprobs
 from rljax.pipeline import wire
 from rljax.serving import Endpoint
+from rljax.serving.tools import hermes_tool_calls, load_tool_parser, parse_tool_calls
 from rljax.rl.trajectory import FinishReason, Outcome
 
 MAX_SEQ_LEN = 128
@@ -471,6 +472,109 @@ def test_unsupported_parameters_and_unknown_models_are_refused_by_name(served):
             logit_bias={}, stream=False, user="someone")
   assert len(r.rljax["completion_token_ids"]) <= 2
   endpoint.finish("params", reward=0.0)
+  assert endpoint.stats["http_500"] == 0
+
+
+# a Qwen3-style template that renders tools, tool calls and tool replies
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n<tools>' }}{% for tool in tools %}"
+    "{{ tool.function.name + ' ' }}{% endfor %}{{ '</tools><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if message.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + "
+    "call.function.arguments + '}\\n</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def always_calls(text):
+  """A tool parser by import path, for tests: every reply is the call add(12, 34)."""
+  del text
+  return None, [{"name": "add", "arguments": json.dumps({"a": 12, "b": 34})}]
+
+
+def test_hermes_tool_calls_are_parsed_and_malformed_ones_are_content():
+  text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+  assert hermes_tool_calls(text) == ("Let me add.", [{"name": "add",
+                                                      "arguments": '{"a": 1, "b": 2}'}])
+  two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>'
+  assert hermes_tool_calls(two) == (None, [{"name": "a", "arguments": "{}"},
+                                           {"name": "b", "arguments": "{}"}])
+  for bad in ("no call", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}'
+              '</tool_call>', '<tool_call>{"name": "a"', '<tool_call>["a"]</tool_call>',
+              '<tool_call>{"name": "a", "arguments": 3}</tool_call>'):
+    assert hermes_tool_calls(bad) is None, bad
+  assert parse_tool_calls(lambda t: 1 / 0, "x") is None  # a parser's error: no call
+  assert load_tool_parser("none") is None and load_tool_parser("hermes") is hermes_tool_calls
+  assert load_tool_parser(f"{__name__}:always_calls") is always_calls
+
+
+def test_tools_are_rendered_by_the_template_and_tool_calls_round_trip(served):
+  # tools reach the prompt through the checkpoint's template; the model's calls come back
+  # as message.tool_calls (finish_reason tool_calls); the harness's assistant message with
+  # them and its tool reply are accepted, and the next turn extends the recorded ids (a
+  # re-render of the history would re-serialise the call into other tokens)
+  run, endpoint = served
+  tok = run.env.tokenizer
+  hf = tok.hf
+  template, parser = hf.chat_template, endpoint.tool_parser
+  hf.chat_template = TOOLS_TEMPLATE
+  try:
+    client = _client(endpoint)
+    msgs = [{"role": "user", "content": "What is 12 + 34?"}]  # short: the context is 128
+    _register(endpoint, "tools-plain")
+    r0 = _chat(client, "tools-plain", msgs, tools=TOOLS, tool_choice="auto", max_tokens=4)
+    prompt = tok.decode(r0.rljax["prompt_token_ids"])
+    assert prompt == hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False,
+                                            add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\n<tools>add </tools>")
+    # the hermes parser on a random model's text: no well-formed call, plain content
+    assert not r0.choices[0].message.tool_calls
+    assert r0.choices[0].finish_reason in ("stop", "length")
+    endpoint.finish("tools-plain", reward=0.0)
+
+    endpoint.tool_parser = load_tool_parser(f"{__name__}:always_calls")
+    _register(endpoint, "tools")
+    with pytest.raises(openai.BadRequestError) as e:
+      _chat(client, "tools", msgs, tools=TOOLS, tool_choice="required")
+    assert e.value.param == "tool_choice"
+    r1 = _chat(client, "tools", msgs, tools=TOOLS, max_tokens=6)
+    assert r1.choices[0].finish_reason == "tool_calls"
+    (call,) = r1.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 12, "b": 34}
+    reply = r1.choices[0].message.model_dump(exclude_none=True)
+    history = msgs + [reply, {"role": "tool", "tool_call_id": call.id, "content": "46"}]
+    with pytest.raises(openai.BadRequestError) as e:  # other tools than the prompt's
+      _chat(client, "tools", history, tools=TOOLS + TOOLS, max_tokens=4)
+    assert e.value.param == "tools"
+    edited = [dict(m) for m in history]
+    edited[1] = dict(reply, tool_calls=[dict(reply["tool_calls"][0], function={
+        "name": "add", "arguments": '{"a": 1, "b": 34}'})])
+    with pytest.raises(openai.BadRequestError, match=r"history_mismatch: messages\[1\]"):
+      _chat(client, "tools", edited, tools=TOOLS, max_tokens=4)
+    r2 = _chat(client, "tools", history, tools=TOOLS, max_tokens=4)
+    im_end = tok.token_to_id("<|im_end|>")
+    close = "" if r1.rljax["completion_token_ids"][-1] == im_end else "<|im_end|>"
+    assert tok.decode(r2.rljax["prompt_token_ids"]) == (
+        close + "\n<|im_start|>user\n<tool_response>\n46\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    traj = endpoint.finish("tools", reward=1.0)
+    first = r1.rljax["completion_token_ids"]
+    assert traj.completion_ids[:len(first)].tolist() == first and traj.loss_mask[:len(first)].all()
+    rerender = tok.encode(hf.apply_chat_template(
+        [dict(m, content=m.get("content") or "") for m in history], tools=TOOLS,
+        tokenize=False, add_generation_prompt=True)).tolist()
+    assert traj.tokens[:len(rerender)].tolist() != rerender  # re-tokenizing would rewrite it
+    assert rescore_diff(run, [traj]) == 0.0
+  finally:
+    hf.chat_template, endpoint.tool_parser = template, parser
   assert endpoint.stats["http_500"] == 0
 
 

@@ -80,6 +80,19 @@ GRPO group is several episodes); `logprobs` returns the behaviour log-probs
 (`top_logprobs` unsupported); `model` other than the server's: 404 `model_not_found`.
 Registering more episodes in a group than the endpoint's `group_size`: 409 `group_full`.
 
+Tools. A chat call's `tools` are rendered by the tokenizer's chat template
+(`apply_chat_template(..., tools=...)`), fixed by the episode's first call (other tools
+later: 400 `history_mismatch`); `tool_choice` "auto" or "none" (renders them, parses no
+call); a forced call ("required", a named function) or `parallel_tool_calls: false` is a
+400. The reply's text goes through the endpoint's `tool_parser` (`tools.py`: "hermes" for
+Qwen3 / Hermes `<tool_call>{json}</tool_call>`, or `package.module:function`); calls come
+back as `message.tool_calls` with finish_reason "tool_calls", the text around them as
+content. Malformed calls are the model's outcome: the text is the content, finish_reason
+as sampled. The harness sends the assistant message back with its `tool_calls` (compared
+by name and arguments as JSON values) and `role: tool` replies (`tool_call_id`): the next
+turn is the template's text after the sentinel, the reply rendered without its calls (its
+sampled tokens, calls included, are recorded); the history is never re-tokenized.
+
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
 last call was refused with `context_length_exceeded`, finishes as an episode cut by the
 context (`FinishReason.CONTEXT`; the trainer's `config.rl.overlong` says what it trains).

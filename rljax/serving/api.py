@@ -4,6 +4,7 @@ request, what each finish reason is called."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from rljax.rl.trajectory import FinishReason
@@ -26,13 +27,13 @@ class ApiError(Exception):
 # request fields the endpoint serves (each checked where it is used)
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
                      "logprobs", "user", "episode_id"})
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata",
+                         "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # fields accepted only at a value that asks for nothing (some clients always send them)
 NO_OP_VALUES = {"stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,),
                 "logit_bias": ({},), "response_format": ({"type": "text"},),
-                "store": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
-                "parallel_tool_calls": (True, False)}
+                "store": (False,)}
 
 
 def check_fields(body: Mapping, fields: frozenset) -> None:
@@ -58,7 +59,8 @@ def content_text(content: Any, where: str) -> str:
 
 
 def parse_messages(raw: Any) -> list[dict]:
-  """The request's messages as {role, content[, name, tool_call_id]} with text content."""
+  """The request's messages as {role, content[, name, tool_call_id, tool_calls]} with text
+  content (null: "")."""
   if not isinstance(raw, list) or not raw:
     raise ApiError(400, "messages must be a non-empty list")
   out = []
@@ -70,15 +72,53 @@ def parse_messages(raw: Any) -> list[dict]:
     for key in ("name", "tool_call_id"):
       if isinstance(m.get(key), str):
         msg[key] = m[key]
-    if m.get("tool_calls"):
-      raise ApiError(400, f"messages[{i}]: tool_calls are not supported (the model's tool "
-                     "calls are text in its reply's content)")
+    calls = message_tool_calls(m.get("tool_calls"), f"messages[{i}]")
+    if calls is not None:
+      if m["role"] != "assistant":
+        raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                       param="messages")
+      msg["tool_calls"] = calls
     out.append(msg)
   return out
 
 
 def same_message(a: Mapping, b: Mapping) -> bool:
-  return a["role"] == b["role"] and a["content"] == b["content"]
+  """The same message as recorded: role, content and tool calls (see same_tool_calls)."""
+  return (a["role"] == b["role"] and a["content"] == b["content"]
+          and same_tool_calls(a.get("tool_calls"), b.get("tool_calls")))
+
+
+def message_tool_calls(raw: Any, where: str) -> list[dict] | None:
+  """An assistant message's `tool_calls` from a request, as the template reads them."""
+  if raw is None or raw == []:
+    return None
+  if not isinstance(raw, list):
+    raise ApiError(400, f"{where}.tool_calls must be a list", param="messages")
+  out = []
+  for j, c in enumerate(raw):
+    fn = c.get("function") if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(
+        fn.get("arguments"), str):
+      raise ApiError(400, f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', "
+                     "'function': {'name', 'arguments': JSON text}}", param="messages")
+    out.append({"id": str(c.get("id") or f"call_{j}"), "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+  return out
+
+
+def same_tool_calls(a: list[dict] | None, b: list[dict] | None) -> bool:
+  """The same calls (names, and arguments as JSON values: a re-serialised call matches)."""
+  def key(calls):
+    out = []
+    for c in calls or ():
+      args = c["function"]["arguments"]
+      try:
+        args = json.loads(args)
+      except ValueError:
+        pass
+      out.append((c["function"]["name"], args))
+    return out
+  return key(a) == key(b)
 
 
 def finish_reason_name(reason: FinishReason) -> str:

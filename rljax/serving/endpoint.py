@@ -22,6 +22,7 @@ from rljax.serving.api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, check_f
 from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
+from rljax.serving.tools import check_tools, load_tool_parser, parse_tool_calls, wire_tool_calls
 from rljax.serving.server import make_handler
 
 
@@ -43,12 +44,14 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
   `max_resident`: episodes whose sequences the engine may hold at once (default: as many
   as its page pool holds at max_seq_len). `model_name`: what responses name (and the one
   model a request may name). `group_size`: episodes a group holds (a registration beyond
-  it is a 409 `group_full`; `take_groups`' default)."""
+  it is a 409 `group_full`; `take_groups`' default). `tool_parser`: how the model's tool
+  calls are read from its text (`tools.load_tool_parser`: "hermes", "none" or
+  `package.module:function`)."""
 
   def __init__(self, engine: DecodeEngine, tokenizer, *, sampling: SamplingParams,
                seed: int = 0, max_resident: int | None = None, model_name: str = "rljax",
                host: str = "127.0.0.1", port: int = 0, first_request_id: int = 1,
-               group_size: int | None = None):
+               group_size: int | None = None, tool_parser: str | None = "hermes"):
     if not engine.idle or engine.parked:
       raise ValueError("the engine has work of its own; the endpoint needs it idle")
     self.engine, self.tokenizer, self.seed, self.model_name = engine, tokenizer, seed, model_name
@@ -69,6 +72,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     self._resident: dict[int, EpisodeRecord] = {}  # held by the engine (the owner thread's)
     self._groups: dict[str, list[EpisodeRecord]] = {}  # group id -> episodes, in order
     self._group_index: dict[str, int] = {}
+    self.tool_parser = load_tool_parser(tool_parser)  # the model's tool calls out of its text
     self.group_size = group_size  # episodes a group: registering more is a 409 (None: any)
     self._taken_groups: set[str] = set()  # handed to the trainer: registering into one is a 409
     self._oversized: set[str] = set()  # groups take_groups left out (logged once)
@@ -236,6 +240,10 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
   def chat(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
     call = self._params(body, "chat")
     messages = parse_messages(body.get("messages"))
+    tools = check_tools(body.get("tools"), body.get("tool_choice"))
+    if body.get("parallel_tool_calls") is False:
+      raise ApiError(400, "parallel_tool_calls=false: the model's calls are not limited to one",
+                     "unsupported_parameter", param="parallel_tool_calls")
     if not getattr(getattr(self.tokenizer, "hf", None), "chat_template", None):
       raise ApiError(400, "this server's tokenizer has no chat template: use /v1/completions",
                      "no_chat_template")
@@ -244,8 +252,12 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       if messages[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must not be the assistant's")
       if ep.turns == 0:
-        new_ids = self._render_ids(messages, None)
+        new_ids = self._render_ids(messages, None, tools=tools)
       else:
+        if tools != ep.tools:
+          raise ApiError(400, "history_mismatch: tools differ from the episode's first call's "
+                         "(the template rendered those into its prompt)", "history_mismatch",
+                         param="tools")
         known = ep.messages
         for i, m in enumerate(known):
           if i >= len(messages) or not same_message(messages[i], m):
@@ -257,17 +269,25 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
         if any(m["role"] == "assistant" for m in new):
           raise ApiError(400, "history_mismatch: an assistant message the engine did not "
                          "sample; replies must be this server's", "history_mismatch")
-        new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id)
+        new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id, tools=tools)
       turn = self._run_turn(ep, new_ids, call)
-      reply = turn.text
+      message = {"role": "assistant", "content": turn.text}
+      finish = finish_reason_name(ep.finish_reason)
+      parsed = parse_tool_calls(self.tool_parser, turn.text) if (
+          tools and body.get("tool_choice") != "none") else None
+      if parsed is not None:
+        content, calls = parsed
+        message = {"role": "assistant", "content": content,
+                   "tool_calls": wire_tool_calls(calls, f"call_{ep.turns}")}
+        finish = "tool_calls"
+        self.stats["tool_calls"] += len(calls)
       with self._lock:
-        ep.kind = "chat"
-        ep.messages = messages + [{"role": "assistant", "content": reply}]
+        ep.kind, ep.tools = "chat", tools
+        ep.messages = messages + [dict(message, content=message["content"] or "")]
     finally:
       with self._lock:
         ep.busy = False
-    choice = {"index": 0, "message": {"role": "assistant", "content": reply},
-              "finish_reason": finish_reason_name(ep.finish_reason), "logprobs": None}
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
     if body.get("logprobs"):
       choice["logprobs"] = {"content": [
           {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}

@@ -43,6 +43,7 @@ class EpisodeRecord:
   finish_reason: FinishReason = FinishReason.ABORTED
   last_stop_id: int | None = None  # the stop token the last turn ended on
   messages: list[dict] = dataclasses.field(default_factory=list)  # chat: as recorded
+  tools: list[dict] | None = None  # chat: the tools its first call rendered
   text: str | None = None  # completion (text mode): the episode's text so far
   unsent_text: str = ""  # recorded after `text` (a stop string), not returned: a prompt may repeat it
   ids_mode: bool = False  # completion prompts are token ids

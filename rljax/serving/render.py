@@ -51,20 +51,23 @@ class Renderer:
         out.append("\ufffd")
     return "".join(out)
 
-  def _render(self, messages: list[dict]) -> str:
+  def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
+    kwargs = {} if tools is None else {"tools": tools}
     return self.tokenizer.hf.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, **kwargs)
 
   def _render_ids(self, history: list[dict], new: list[dict] | None, *,
-                  stopped_on: int | None = None) -> list[int]:
-    """First turn (`new` None): the messages rendered with the generation prompt. Later:
-    the template applied to the delta in context (see the module docstring)."""
+                  stopped_on: int | None = None, tools: list[dict] | None = None) -> list[int]:
+    """First turn (`new` None): the messages rendered with the generation prompt (and the
+    tools, as the template renders them). Later: the template applied to the delta in
+    context (see the package docstring): the last reply stands as a sentinel content without
+    its tool calls (its sampled tokens, tool calls included, are recorded already)."""
     try:
       if new is None:
-        return self.tokenizer.encode(self._render(history)).tolist()
+        return self.tokenizer.encode(self._render(history, tools)).tolist()
       context = [dict(m) for m in history]
-      context[-1]["content"] = SENTINEL
-      text = self._render(context + new)
+      context[-1] = {"role": context[-1]["role"], "content": SENTINEL}
+      text = self._render(context + new, tools)
     except ApiError:
       raise
     except Exception as e:  # pylint: disable=broad-except  (a template's own errors)
