@@ -448,7 +448,8 @@ def test_unsupported_parameters_and_unknown_models_are_refused_by_name(served):
                         (dict(presence_penalty=0.5), "presence_penalty"),
                         (dict(frequency_penalty=1.0), "frequency_penalty"),
                         (dict(response_format={"type": "json_object"}), "response_format"),
-                        (dict(stream=True), "stream"), (dict(n=2), "n"),
+                        (dict(stream_options={"include_usage": True}), "stream_options"),
+                        (dict(n=2), "n"),
                         (dict(temperature=0.5), "temperature"), (dict(top_p=0.9), "top_p"),
                         (dict(seed="x"), "seed"), (dict(stop=["a"] * 5), "stop"),
                         (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty")):
@@ -573,9 +574,44 @@ def test_tools_are_rendered_by_the_template_and_tool_calls_round_trip(served):
         tokenize=False, add_generation_prompt=True)).tolist()
     assert traj.tokens[:len(rerender)].tolist() != rerender  # re-tokenizing would rewrite it
     assert rescore_diff(run, [traj]) == 0.0
+    _register(endpoint, "tools-stream")  # streamed: the call as a tool-call delta
+    chunks = list(_chat(client, "tools-stream", msgs, tools=TOOLS, max_tokens=6, stream=True))
+    deltas = [t for c in chunks for t in (c.choices[0].delta.tool_calls or ()) if c.choices]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
+        (0, "add", {"a": 12, "b": 34})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    endpoint.drop("tools-stream")
   finally:
     hf.chat_template, endpoint.tool_parser = template, parser
   assert endpoint.stats["http_500"] == 0
+
+
+def test_streaming_sends_the_reply_as_events_and_records_the_same_tokens(served):
+  run, endpoint = served
+  client = _client(endpoint)
+  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+  for eid in ("plain-s", "streamed-s", "cmpl-s"):
+    _register(endpoint, eid)
+  plain = _chat(client, "plain-s", msgs, max_tokens=6, seed=77, logprobs=True)
+  chunks = list(_chat(client, "streamed-s", msgs, max_tokens=6, seed=77, logprobs=True,
+                      stream=True, stream_options={"include_usage": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == plain.choices[0].message.content
+  finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+  assert finish == [plain.choices[0].finish_reason]
+  assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+  a, b = endpoint.finish("plain-s", reward=0.0), endpoint.finish("streamed-s", reward=0.0)
+  for name in ("prompt_ids", "completion_ids", "loss_mask", "behaviour_logprobs", "versions",
+               "expert_ids"):
+    chex.assert_trees_all_equal(getattr(a, name), getattr(b, name), custom_message=name)
+  c = list(client.completions.create(model="rljax", prompt="Compute 7 * 8", max_tokens=4,
+                                     stream=True, extra_body={"episode_id": "cmpl-s"}))
+  assert c[-1].choices[0].finish_reason in ("stop", "length")
+  ep = endpoint.episode("cmpl-s")
+  assert "".join(x.choices[0].text for x in c) == endpoint._reply_text(  # pylint: disable=protected-access
+      ep.tokens[ep.prompt_len:])
+  endpoint.finish("cmpl-s", reward=0.0)
 
 
 @pytest.fixture(scope="module")

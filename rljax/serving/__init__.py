@@ -2,7 +2,8 @@
 token-space `Trajectory`: an external agent loop (any OpenAI client, someone else's
 harness) drives the engine, and the trainer gets the episodes like env-made ones.
 
-Endpoints (JSON over HTTP/1.1, `http.server.ThreadingHTTPServer`, non-streaming):
+Endpoints (JSON over HTTP/1.1, `http.server.ThreadingHTTPServer`; `stream: true`: the
+same call's response as server-sent events, sent when the turn ends: `stream.py`):
 
   POST /v1/episodes                  {"episode_id"?, "group_id"?} -> {"episode_id", ...}
   POST /v1/chat/completions          messages -> one assistant reply (the chat template)
@@ -63,7 +64,7 @@ last sampled token is never fed: zeros). Every response also carries these ids i
 completion_logprobs), so a harness can check token in / token out itself.
 
 Parameters: each one is honoured, or the call is a 400 naming it (`error.param`); values
-that ask for nothing (`presence_penalty: 0`, `logit_bias: {}`, `stream: false`, ...) pass.
+that ask for nothing (`presence_penalty: 0`, `logit_bias: {}`, `store: false`, ...) pass.
 Sampling is the server's (`sampling`, e.g. the config's rl block: the trainer's loss
 assumes the behaviour temperature): `temperature` / `top_p` other than the server's are a
 400, except `temperature: 0`, greedy (the record keeps the temperature-1 log-probs).
@@ -106,7 +107,8 @@ later one with 503.
 
 Modules: `api` (OpenAI schema: errors, messages, parameters), `server` (the HTTP handler),
 `episodes` (episode records, registration, groups), `owner` (the engine-owner thread),
-`render` (the chat template, ids to text), `endpoint` (`Endpoint`, tying them together).
+`render` (the chat template, ids to text, stop strings), `tools` (tools and tool-call
+parsers), `stream` (server-sent events), `endpoint` (`Endpoint`, tying them together).
 """
 
 from rljax.serving.api import ApiError

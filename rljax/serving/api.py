@@ -26,12 +26,12 @@ class ApiError(Exception):
 
 # request fields the endpoint serves (each checked where it is used)
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
-                     "logprobs", "user", "episode_id"})
+                     "logprobs", "user", "episode_id", "stream", "stream_options"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata",
                          "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # fields accepted only at a value that asks for nothing (some clients always send them)
-NO_OP_VALUES = {"stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,),
+NO_OP_VALUES = {"presence_penalty": (0,), "frequency_penalty": (0,),
                 "logit_bias": ({},), "response_format": ({"type": "text"},),
                 "store": (False,)}
 

@@ -8,6 +8,7 @@ import re
 import urllib.parse
 
 from rljax.serving.api import ApiError
+from rljax.serving.stream import check_stream, events
 
 _EPISODE_PATH = re.compile(r"^/episodes/([^/]+)(/v1/.*)$")
 
@@ -25,6 +26,14 @@ def make_handler(endpoint):
       data = json.dumps(body, allow_nan=False).encode()
       self.send_response(status)
       self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def _send_events(self, data: bytes) -> None:
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.send_header("Cache-Control", "no-cache")
       self.send_header("Content-Length", str(len(data)))
       self.end_headers()
       self.wfile.write(data)
@@ -54,6 +63,8 @@ def make_handler(endpoint):
           episode, path = m.group(1), m.group(2)
         body = self._body()  # read whatever came, so a kept-alive connection stays in step
         endpoint.stats["http_requests"] += 1
+        streamed = method == "POST" and path in ("/v1/chat/completions", "/v1/completions") \
+            and check_stream(body)
         if method == "POST" and path == "/v1/chat/completions":
           out = endpoint.chat(body, episode, self.headers)
         elif method == "POST" and path == "/v1/completions":
@@ -80,7 +91,10 @@ def make_handler(endpoint):
           out = {"ok": endpoint._broken is None}  # pylint: disable=protected-access
         else:
           raise ApiError(404, f"no route {method} {path}", "not_found")
-        self._send(200, out)
+        if streamed:
+          self._send_events(events(out, body))
+        else:
+          self._send(200, out)
       except ApiError as e:
         endpoint.stats[f"http_{e.status}"] += 1
         self._send(e.status, e.body())
