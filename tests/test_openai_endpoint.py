@@ -614,6 +614,40 @@ def test_streaming_sends_the_reply_as_events_and_records_the_same_tokens(served)
   endpoint.finish("cmpl-s", reward=0.0)
 
 
+def test_a_retried_call_gets_its_recorded_turn_and_records_it_once(served):
+  # a client that lost a reply (a timeout, a dropped connection) and sends the same call
+  # again gets the recorded turn, not a second turn or a history_mismatch
+  run, endpoint = served
+  _register(endpoint, "retry")
+  body = {"model": "rljax", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+          "episode_id": "retry"}
+  s1, r1 = _post(endpoint, "/v1/chat/completions", body)
+  s2, r2 = _post(endpoint, "/v1/chat/completions", body)
+  assert s1 == s2 == 200 and r1 == r2 and endpoint.episode("retry").turns == 1
+  # the SDK's own retries after client timeouts while the turn waits in the endpoint
+  replayed = endpoint.stats["replayed_calls"]
+  client = openai.OpenAI(api_key="unused", base_url=f"{endpoint.url}/v1", max_retries=4,
+                         timeout=1.0)
+  msgs = body["messages"] + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "again"}]
+  endpoint.pause()
+  timer = threading.Timer(2.5, endpoint.resume)
+  timer.start()
+  try:
+    r3 = client.chat.completions.create(model="rljax", messages=msgs, max_tokens=4,
+                                        extra_body={"episode_id": "retry"})
+  finally:
+    timer.join()
+    endpoint.resume()
+  assert endpoint.stats["replayed_calls"] > replayed
+  traj = endpoint.finish("retry", reward=0.0)
+  assert endpoint.episode("retry").turns == 2
+  ids = r3.rljax["completion_token_ids"]
+  assert traj.completion_ids[-len(ids):].tolist() == ids
+  assert rescore_diff(run, [traj]) == 0.0
+  assert endpoint.stats["http_500"] == 0
+
+
 @pytest.fixture(scope="module")
 def concurrent_groups(served, reference_engine):
   """Two groups of two episodes, 3 turns each, driven from 4 threads at once with room for

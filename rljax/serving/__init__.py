@@ -94,6 +94,12 @@ by name and arguments as JSON values) and `role: tool` replies (`tool_call_id`):
 turn is the template's text after the sentinel, the reply rendered without its calls (its
 sampled tokens, calls included, are recorded); the history is never re-tokenized.
 
+Retries. A call whose body is the episode's last call's (an SDK's automatic retry after a
+timeout or a dropped connection: the turn was recorded, its reply never arrived) gets that
+call's response, waiting for it while it still runs (`stats["replayed_calls"]`): the turn
+is recorded once and delivered to the retry. A reply the client was gone for counts in
+`stats["undelivered_replies"]`.
+
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
 last call was refused with `context_length_exceeded`, finishes as an episode cut by the
 context (`FinishReason.CONTEXT`; the trainer's `config.rl.overlong` says what it trains).

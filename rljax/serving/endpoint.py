@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import http.server
+import json
 import queue
 import threading
 import time
@@ -34,6 +35,14 @@ class _Call:
   seed: int
   sampling_id: int | None  # the sampling keys' request id (None: the episode's)
   stop_texts: tuple[str, ...]
+
+
+@dataclasses.dataclass(eq=False)
+class _Delivery:
+  """An episode's last call: its body's key and, once it has run, its response."""
+  key: str
+  response: dict | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class Endpoint(EpisodeStore, EngineOwner, Renderer):
@@ -188,8 +197,8 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
                      param="max_tokens")
     return _Call(sampling, max_tokens, seed, sampling_id, tuple(stop))
 
-  def _claim(self, body: Mapping, path_episode: str | None, headers, kind: str
-             ) -> EpisodeRecord:
+  def _claim(self, body: Mapping, path_episode: str | None, headers, kind: str,
+             delivery: _Delivery | None = None) -> EpisodeRecord:
     episode_id = path_episode or body.get("episode_id") or headers.get("X-Episode-Id")
     if episode_id is None:
       raise ApiError(400, "no episode: pass extra_body={'episode_id': ...}, the X-Episode-Id "
@@ -204,7 +213,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
         raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
       if ep.kind not in (None, kind):
         raise ApiError(400, f"episode {episode_id!r} is a {ep.kind} episode", "wrong_kind")
-      ep.busy = True
+      ep.busy, ep.last_call = True, delivery
     return ep
 
   def model_card(self, model_id: str | None = None) -> dict:
@@ -238,6 +247,34 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     return turn
 
   def chat(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
+    return self._once("chat", body, path_episode, headers, self._chat)
+
+  def complete(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
+    return self._once("completion", body, path_episode, headers, self._complete)
+
+  def _once(self, kind: str, body: Mapping, path_episode: str | None, headers, run) -> dict:
+    """A call whose body is the episode's last call's, byte for byte after sorting keys (an
+    SDK's automatic retry after a timeout or a dropped connection), gets that call's
+    response (waiting for it while it runs) instead of a second turn or a
+    `history_mismatch`: the turn is recorded once and delivered to the retry."""
+    key = kind + json.dumps(body, sort_keys=True)
+    episode_id = path_episode or body.get("episode_id") or (headers or {}).get("X-Episode-Id")
+    with self._lock:
+      ep = self._episodes.get(episode_id) if isinstance(episode_id, str) else None
+      last = None if ep is None else ep.last_call
+    if last is not None and last.key == key:
+      last.done.wait()
+      if last.response is not None:
+        self.stats["replayed_calls"] += 1
+        return last.response
+    delivery = _Delivery(key)
+    try:
+      delivery.response = run(body, path_episode, headers, delivery)
+      return delivery.response
+    finally:
+      delivery.done.set()
+
+  def _chat(self, body: Mapping, path_episode: str | None, headers, delivery) -> dict:
     call = self._params(body, "chat")
     messages = parse_messages(body.get("messages"))
     tools = check_tools(body.get("tools"), body.get("tool_choice"))
@@ -247,7 +284,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     if not getattr(getattr(self.tokenizer, "hf", None), "chat_template", None):
       raise ApiError(400, "this server's tokenizer has no chat template: use /v1/completions",
                      "no_chat_template")
-    ep = self._claim(body, path_episode, headers or {}, "chat")
+    ep = self._claim(body, path_episode, headers or {}, "chat", delivery)
     try:
       if messages[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must not be the assistant's")
@@ -294,7 +331,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           for s, lp in zip(self._pieces(turn.sampled), turn.sampled_logprobs)]}
     return self._response("chat.completion", "chatcmpl", ep, turn, choice)
 
-  def complete(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
+  def _complete(self, body: Mapping, path_episode: str | None, headers, delivery) -> dict:
     call = self._params(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -308,7 +345,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       raise ApiError(400, "echo, suffix and best_of are not supported",
                      "unsupported_parameter",
                      param=next((k for k in ("echo", "suffix") if body.get(k)), "best_of"))
-    ep = self._claim(body, path_episode, headers or {}, "completion")
+    ep = self._claim(body, path_episode, headers or {}, "completion", delivery)
     try:
       if ep.turns and ids_mode != ep.ids_mode:
         raise ApiError(400, f"episode {ep.episode_id!r} takes its prompts as "

@@ -53,6 +53,7 @@ class EpisodeRecord:
   last_used: float = 0.0
   finished: Trajectory | None = None
   taken: bool = False  # handed to the trainer by take_groups
+  last_call: Any = None  # the last call's body key and response (a retry gets it again)
 
   def summary(self) -> dict:
     return {"episode_id": self.episode_id, "group_id": self.group_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import re
@@ -91,16 +92,20 @@ def make_handler(endpoint):
           out = {"ok": endpoint._broken is None}  # pylint: disable=protected-access
         else:
           raise ApiError(404, f"no route {method} {path}", "not_found")
-        if streamed:
-          self._send_events(events(out, body))
-        else:
-          self._send(200, out)
+        reply = functools.partial(self._send_events, events(out, body)) if streamed else \
+            functools.partial(self._send, 200, out)
       except ApiError as e:
         endpoint.stats[f"http_{e.status}"] += 1
-        self._send(e.status, e.body())
+        reply = functools.partial(self._send, e.status, e.body())
       except Exception as e:  # pylint: disable=broad-except
         endpoint.stats["http_500"] += 1
-        self._send(500, ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
+        error = ApiError(500, f"{type(e).__name__}: {e}", kind="server_error")
+        reply = functools.partial(self._send, 500, error.body())
+      try:
+        reply()
+      except OSError:  # the client went away (a timeout): a retry of the call gets it again
+        endpoint.stats["undelivered_replies"] += 1
+        self.close_connection = True
 
     def do_GET(self):  # pylint: disable=invalid-name
       self._route("GET")
