@@ -29,6 +29,8 @@ import time
 
 from absl import app, flags
 
+from experiments.curves import first_reach, mean_curve
+
 _OUT = flags.DEFINE_string("out", None, "study directory (runs resume from here)", required=True)
 _STARTS = flags.DEFINE_list("starts", ["0.25", "0.7"], "SFT starts: target greedy pass@1")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds")
@@ -177,17 +179,6 @@ def read_run(job: Job) -> dict:
           "sampled_nll_first10": round(statistics.mean(nll[:10]), 4),
           "sampled_nll_last10": round(statistics.mean(nll[-10:]), 4),
           "summary": json.load(open(os.path.join(job.workdir, "summary.json")))}
-
-
-def first_reach(curve: list[tuple[int, float]], level: float) -> int | None:
-  return next((step for step, p in curve if p >= level), None)
-
-
-def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
-  """Held-out pass@1 averaged over the runs (seeds) at each evaluation step they all have."""
-  curves = [dict(r["curve"]) for r in runs]
-  steps = sorted(set.intersection(*(set(c) for c in curves)))
-  return [(step, statistics.mean(c[step] for c in curves)) for step in steps]
 
 
 def compare_to_reference(runs: list[dict], settings: list[str], starts: list[str],

@@ -46,6 +46,8 @@ import time
 
 from absl import app, flags
 
+from experiments.curves import first_reach, mean_curve
+
 _OUT = flags.DEFINE_string("out", None, "study directory (runs resume from here)", required=True)
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds")
 _SETTINGS = flags.DEFINE_list("settings", ["trl", "default"], "sides: trl, or rljax settings "
@@ -375,16 +377,6 @@ def run_jobs(jobs: list[Job], parallel: int) -> None:
                          job)
       print(f"started {os.path.basename(job.workdir)}", file=sys.stderr, flush=True)
     time.sleep(2.0)
-
-
-def first_reach(curve, level):
-  return next((step for step, p in curve if p >= level), None)
-
-
-def mean_curve(runs):
-  curves = [dict(r["curve"]) for r in runs]
-  steps = sorted(set.intersection(*(set(c) for c in curves)))
-  return [(s, statistics.mean(c[s] for c in curves)) for s in steps]
 
 
 def summarize_run(r: dict) -> dict:
