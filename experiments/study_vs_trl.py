@@ -48,21 +48,28 @@ from absl import app, flags
 
 from experiments.curves import first_reach, mean_curve
 
-_OUT = flags.DEFINE_string("out", None, "study directory (runs resume from here)", required=True)
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds")
-_SETTINGS = flags.DEFINE_list("settings", ["trl", "default"], "sides: trl, or rljax settings "
-                              "(see SETTINGS)")
-_STEPS = flags.DEFINE_integer("steps", 300, "GRPO steps per run")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "held-out evaluation every N steps")
-_HELDOUT = flags.DEFINE_integer("heldout", 500, "held-out tasks")
-_REFERENCE = flags.DEFINE_string("reference", "trl", "the setting every other is compared to")
-_PARALLEL = flags.DEFINE_integer("parallel", 1, "runs at once (each pinned to one core)")
-_SFT_DIGITS = flags.DEFINE_integer("sft_digits", 2, "the start's SFT data: every pair of numbers "
-                                   "of at most this many digits (3: 20,000 random pairs)")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", 1000, "the start's SFT steps")
-_MIN_DIGITS = flags.DEFINE_integer("min_digits", 1, "RL task: digits per operand, at least")
-_MAX_DIGITS = flags.DEFINE_integer("max_digits", 3, "RL task: digits per operand, at most")
-_JOB = flags.DEFINE_string("job", None, "internal: run one job (JSON) in this process")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command line's flags, defined only when this file runs as a program (tests import
+  it beside other studies that define flags of the same names)."""
+  flags.DEFINE_string("out", None, "study directory (runs resume from here)", required=True)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds")
+  flags.DEFINE_list("settings", ["trl", "default"],
+                    "sides: trl, or rljax settings (see SETTINGS)")
+  flags.DEFINE_integer("steps", 300, "GRPO steps per run")
+  flags.DEFINE_integer("eval_every", 10, "held-out evaluation every N steps")
+  flags.DEFINE_integer("heldout", 500, "held-out tasks")
+  flags.DEFINE_string("reference", "trl", "the setting every other is compared to")
+  flags.DEFINE_integer("parallel", 1, "runs at once (each pinned to one core)")
+  flags.DEFINE_integer("sft_digits", 2, "the start's SFT data: every pair of numbers of at "
+                       "most this many digits (3: 20,000 random pairs)")
+  flags.DEFINE_integer("sft_steps", 1000, "the start's SFT steps")
+  flags.DEFINE_integer("min_digits", 1, "RL task: digits per operand, at least")
+  flags.DEFINE_integer("max_digits", 3, "RL task: digits per operand, at most")
+  flags.DEFINE_string("job", None, "internal: run one job (JSON) in this process")
+
 
 VOCAB, PROMPTS, SAMPLES, NEW_TOKENS, NUM_TASKS = 64, 16, 8, 5, 20000
 HELD_OUT_FRACTION = 0.1
@@ -445,48 +452,49 @@ def plot(runs: list[dict], settings: list[str], path: str) -> None:
 
 
 def main(_):
-  if _JOB.value:
-    run_job(Job(**json.loads(_JOB.value)))
+  if FLAGS.job:
+    run_job(Job(**json.loads(FLAGS.job)))
     return
-  settings = _SETTINGS.value
+  settings = FLAGS.settings
   unknown = set(settings) - set(SETTINGS) - set(TRL_SETTINGS)
   if unknown:
     raise app.UsageError(f"unknown settings {sorted(unknown)}; known: "
                          f"{sorted(TRL_SETTINGS)}, {sorted(SETTINGS)}")
-  if _REFERENCE.value not in settings:
-    raise app.UsageError(f"--reference={_REFERENCE.value} is not among --settings")
-  out = os.path.abspath(_OUT.value)
+  if FLAGS.reference not in settings:
+    raise app.UsageError(f"--reference={FLAGS.reference} is not among --settings")
+  out = os.path.abspath(FLAGS.out)
   t0 = time.perf_counter()
   start_dir = os.path.join(out, "start")
   if not os.path.exists(os.path.join(start_dir, "config.json")):
     os.makedirs(out, exist_ok=True)
-    info = make_start(start_dir, steps=_SFT_STEPS.value, digits=_SFT_DIGITS.value)
+    info = make_start(start_dir, steps=_SFTFLAGS.steps, digits=FLAGS.sft_digits)
     with open(os.path.join(out, "start.json"), "w", encoding="utf-8") as f:
       json.dump(info, f)
-  jobs = [Job(s, int(seed), _STEPS.value, _EVAL_EVERY.value, _HELDOUT.value, out,
-              _MIN_DIGITS.value, _MAX_DIGITS.value)
-          for seed in _SEEDS.value for s in settings]
-  run_jobs(jobs, _PARALLEL.value)
+  jobs = [Job(s, int(seed), FLAGS.steps, FLAGS.eval_every, FLAGS.heldout, out,
+              FLAGS.min_digits, FLAGS.max_digits)
+          for seed in FLAGS.seeds for s in settings]
+  run_jobs(jobs, FLAGS.parallel)
   runs = [json.load(open(j.result_path, encoding="utf-8")) for j in jobs]
-  v = verdicts(runs, settings, _REFERENCE.value)
-  md = table(runs, settings, _REFERENCE.value, v)
+  v = verdicts(runs, settings, FLAGS.reference)
+  md = table(runs, settings, FLAGS.reference, v)
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
     f.write(md)
   plot(runs, settings, os.path.join(out, "curves.png"))
   print(md, file=sys.stderr)
   from experiments import machine_info  # pylint: disable=g-import-not-at-top
   print(json.dumps({
-      "study": "vs_trl", "steps": _STEPS.value, "eval_every": _EVAL_EVERY.value,
-      "heldout": _HELDOUT.value, "seeds": _SEEDS.value,
-      "task_digits": [_MIN_DIGITS.value, _MAX_DIGITS.value],
+      "study": "vs_trl", "steps": FLAGS.steps, "eval_every": FLAGS.eval_every,
+      "heldout": FLAGS.heldout, "seeds": FLAGS.seeds,
+      "task_digits": [FLAGS.min_digits, FLAGS.max_digits],
       "start": json.load(open(os.path.join(out, "start.json"), encoding="utf-8")),
       "settings": {s: SETTINGS[s] if s in SETTINGS else {"trl": TRL_BASE | TRL_SETTINGS[s]}
                    for s in settings},
-      "reference": _REFERENCE.value, "verdicts": v,
+      "reference": FLAGS.reference, "verdicts": v,
       "runs": [{"setting": r["setting"], "seed": r["seed"], "wall_s": r["wall_s"],
                 **summarize_run(r), "curve": r["curve"]} for r in runs],
       "wall_s": round(time.perf_counter() - t0, 1), "machine": machine_info.machine()}))
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
