@@ -648,6 +648,54 @@ def test_a_retried_call_gets_its_recorded_turn_and_records_it_once(served):
   assert endpoint.stats["http_500"] == 0
 
 
+def test_load_64_concurrent_episodes_with_disconnects(served):
+  # loopback load: 64 episodes at once (32 groups of 2, two turns each), every 8th
+  # client dropping its first call's connection before the reply and sending it again;
+  # no 500, the server alive, every finished episode in a complete group
+  run, endpoint = served
+  endpoint.group_size = 2
+  errors, before = [], dict(endpoint.stats)
+  host = endpoint.url[len("http://"):]
+
+  def drive(n):
+    eid = f"load-{n}"
+    try:
+      _register(endpoint, eid, f"load-g{n // 2}")
+      msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+      body = {"model": "rljax", "messages": msgs, "max_tokens": 3, "episode_id": eid}
+      if n % 8 == 0:  # sends the call and hangs up before the reply
+        conn = http.client.HTTPConnection(host, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        conn.close()
+      status, r = _post(endpoint, "/v1/chat/completions", body)
+      assert status == 200, r
+      msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+               {"role": "tool", "content": "result: 46"}]
+      status, r = _post(endpoint, "/v1/chat/completions", dict(body, messages=msgs))
+      assert status == 200, r
+      endpoint.finish(eid, reward=float(n % 2))
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append((n, e))
+
+  try:
+    threads = [threading.Thread(target=drive, args=(n,)) for n in range(64)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    groups = [g for g in endpoint.take_groups() if g.task.task_id.startswith("load-")]
+  finally:
+    endpoint.group_size = None
+  assert not errors, errors[:3]
+  assert len(groups) == 32 and all(len(g.trajectories) == 2 for g in groups)
+  assert endpoint.stats["http_500"] == before.get("http_500", 0) == 0
+  with urllib.request.urlopen(endpoint.url + "/health", timeout=30) as r:
+    assert json.loads(r.read()) == {"ok": True}
+  assert run.engine.pool.used_count == 0
+  print("load:", {k: endpoint.stats[k] - before.get(k, 0) for k in endpoint.stats})
+
+
 @pytest.fixture(scope="module")
 def concurrent_groups(served, reference_engine):
   """Two groups of two episodes, 3 turns each, driven from 4 threads at once with room for

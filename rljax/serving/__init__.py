@@ -98,7 +98,8 @@ Retries. A call whose body is the episode's last call's (an SDK's automatic retr
 timeout or a dropped connection: the turn was recorded, its reply never arrived) gets that
 call's response, waiting for it while it still runs (`stats["replayed_calls"]`): the turn
 is recorded once and delivered to the retry. A reply the client was gone for counts in
-`stats["undelivered_replies"]`.
+`stats["undelivered_replies"]`. Under load (the test: 64 episodes at once on loopback,
+every 8th dropping its first call's connection and retrying) no call is a 500.
 
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
 last call was refused with `context_length_exceeded`, finishes as an episode cut by the

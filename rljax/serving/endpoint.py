@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import http.server
 import json
 import queue
 import threading
@@ -24,7 +23,7 @@ from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
 from rljax.serving.tools import check_tools, load_tool_parser, parse_tool_calls, wire_tool_calls
-from rljax.serving.server import make_handler
+from rljax.serving.server import make_server
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +91,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     self._broken: BaseException | None = None
     self._paused = threading.Event()  # set: no turn starts (those in flight go on)
     self._owner = threading.Thread(target=self._own_engine, name="rljax-engine", daemon=True)
-    self._server = http.server.ThreadingHTTPServer((host, port), make_handler(self))
-    self._server.daemon_threads = True
+    self._server = make_server(self, host, port)
     self._http = threading.Thread(target=self._server.serve_forever, name="rljax-http",
                                   daemon=True)
     self._owner.start()

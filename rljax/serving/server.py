@@ -14,6 +14,16 @@ from rljax.serving.stream import check_stream, events
 _EPISODE_PATH = re.compile(r"^/episodes/([^/]+)(/v1/.*)$")
 
 
+class _Server(http.server.ThreadingHTTPServer):
+  daemon_threads = True
+  request_queue_size = 1024  # the listen backlog: many clients connect at once (default 5)
+
+
+def make_server(endpoint, host: str, port: int) -> http.server.ThreadingHTTPServer:
+  """The HTTP server of `endpoint` on (host, port) (not started)."""
+  return _Server((host, port), make_handler(endpoint))
+
+
 def make_handler(endpoint):
 
   class Handler(http.server.BaseHTTPRequestHandler):
