@@ -151,6 +151,22 @@ def test_sampling_modes(tiny_cfg, tiny_params):
   chex.assert_trees_all_equal(hot.behaviour_logprobs, lp_hot)
 
 
+def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg, tiny_params):
+  # Request.sampling_id (what the OpenAI endpoint's `seed` uses): requests with other ids
+  # and the same seed and sampling id sample the same tokens, those of a request whose id
+  # it is
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  prompt, sp = np.array([9, 8, 7, 6]), SamplingParams(max_new_tokens=12)
+  out = _by_key(eng.generate([Request(3, prompt, sampling=sp, seed=5, sampling_id=77),
+                              Request(4, prompt, sampling=sp, seed=5, sampling_id=77),
+                              Request(77, prompt, sampling=sp, seed=5),
+                              Request(5, prompt, sampling=sp, seed=5)]))
+  for rid in (4, 77):
+    chex.assert_trees_all_equal(out[(3, 0)].completion_ids, out[(rid, 0)].completion_ids)
+    chex.assert_trees_all_equal(out[(3, 0)].behaviour_logprobs, out[(rid, 0)].behaviour_logprobs)
+  assert out[(3, 0)].completion_ids.tolist() != out[(5, 0)].completion_ids.tolist()
+
+
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
