@@ -592,12 +592,16 @@ def test_streaming_sends_the_reply_as_events_and_records_the_same_tokens(served)
   msgs = [{"role": "user", "content": "What is 12 + 34?"}]
   for eid in ("plain-s", "streamed-s", "cmpl-s"):
     _register(endpoint, eid)
-  plain = _chat(client, "plain-s", msgs, max_tokens=6, seed=77, logprobs=True)
-  chunks = list(_chat(client, "streamed-s", msgs, max_tokens=6, seed=77, logprobs=True,
-                      stream=True, stream_options={"include_usage": True}))
+  # the text goes out as the engine steps (8 tokens a call) produce it, held back where
+  # it may be the start of a stop string; joined, it is the non-streamed content
+  kw = dict(max_tokens=20, seed=77, logprobs=True, stop=["e", "<t"])
+  plain = _chat(client, "plain-s", msgs, **kw)
+  chunks = list(_chat(client, "streamed-s", msgs, stream=True,
+                      stream_options={"include_usage": True}, **kw))
   assert chunks[0].choices[0].delta.role == "assistant"
-  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-  assert text == plain.choices[0].message.content
+  pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+  assert "".join(pieces) == plain.choices[0].message.content
+  assert len(pieces) >= 2 and plain.usage.completion_tokens == 20  # before the turn's end
   finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
   assert finish == [plain.choices[0].finish_reason]
   assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens

@@ -3,7 +3,7 @@ token-space `Trajectory`: an external agent loop (any OpenAI client, someone els
 harness) drives the engine, and the trainer gets the episodes like env-made ones.
 
 Endpoints (JSON over HTTP/1.1, `http.server.ThreadingHTTPServer`; `stream: true`: the
-same call's response as server-sent events, sent when the turn ends: `stream.py`):
+same call as server-sent events, text as the engine steps produce it: `stream.py`):
 
   POST /v1/episodes                  {"episode_id"?, "group_id"?} -> {"episode_id", ...}
   POST /v1/chat/completions          messages -> one assistant reply (the chat template)

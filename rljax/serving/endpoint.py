@@ -19,7 +19,7 @@ from rljax.engine.pages import pages_for
 from rljax.rl.trajectory import FinishReason
 from rljax.serving.api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, check_fields,
                                finish_reason_name, parse_messages, same_message)
-from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
+from rljax.serving.episodes import MAX_REQUEST_ID, Delivery, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
 from rljax.serving.tools import check_tools, load_tool_parser, parse_tool_calls, wire_tool_calls
@@ -34,14 +34,6 @@ class _Call:
   seed: int
   sampling_id: int | None  # the sampling keys' request id (None: the episode's)
   stop_texts: tuple[str, ...]
-
-
-@dataclasses.dataclass(eq=False)
-class _Delivery:
-  """An episode's last call: its body's key and, once it has run, its response."""
-  key: str
-  response: dict | None = None
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class Endpoint(EpisodeStore, EngineOwner, Renderer):
@@ -196,7 +188,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     return _Call(sampling, max_tokens, seed, sampling_id, tuple(stop))
 
   def _claim(self, body: Mapping, path_episode: str | None, headers, kind: str,
-             delivery: _Delivery | None = None) -> EpisodeRecord:
+             delivery: Delivery | None = None) -> EpisodeRecord:
     episode_id = path_episode or body.get("episode_id") or headers.get("X-Episode-Id")
     if episode_id is None:
       raise ApiError(400, "no episode: pass extra_body={'episode_id': ...}, the X-Episode-Id "
@@ -214,14 +206,8 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       ep.busy, ep.last_call = True, delivery
     return ep
 
-  def model_card(self, model_id: str | None = None) -> dict:
-    """`GET /v1/models/{id}` (404 `model_not_found` for any other id)."""
-    if model_id is not None and model_id != self.model_name:
-      raise ApiError(404, f"the model {model_id[:80]!r} does not exist", "model_not_found",
-                     param="model")
-    return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rljax"}
-
-  def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], call: _Call) -> Turn:
+  def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], call: _Call,
+                on_tokens=None) -> Turn:
     new_ids = [int(t) for t in new_ids]
     if any(not 0 <= t < self.engine.cfg.vocab_size for t in new_ids):
       raise ApiError(400, "token ids outside the model's vocabulary")
@@ -238,19 +224,32 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     turn = Turn(ep, new_ids, dataclasses.replace(call.sampling,
                                                  max_new_tokens=min(call.max_tokens, room)),
                 seed=call.seed, sampling_id=call.sampling_id, stop_texts=call.stop_texts)
+    turn.progress = None if on_tokens is None else queue.Queue()
     self._inbox.put(turn)
+    while on_tokens is not None and not turn.done.is_set():
+      try:
+        tokens = turn.progress.get(timeout=0.05)
+      except queue.Empty:
+        continue
+      try:
+        on_tokens(tokens)
+      except Exception:  # pylint: disable=broad-except  (a stream's client went away:
+        on_tokens = None  # the turn completes and is recorded; a retry gets it)
     turn.done.wait()
     if turn.error is not None:
       raise turn.error
     return turn
 
-  def chat(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
-    return self._once("chat", body, path_episode, headers, self._chat)
+  def chat(self, body: Mapping, path_episode: str | None = None, headers=None,
+           on_tokens=None) -> dict:  # on_tokens(sampled so far): as the engine decodes
+    return self._once("chat", body, path_episode, headers, self._chat, on_tokens)
 
-  def complete(self, body: Mapping, path_episode: str | None = None, headers=None) -> dict:
-    return self._once("completion", body, path_episode, headers, self._complete)
+  def complete(self, body: Mapping, path_episode: str | None = None, headers=None,
+               on_tokens=None) -> dict:
+    return self._once("completion", body, path_episode, headers, self._complete, on_tokens)
 
-  def _once(self, kind: str, body: Mapping, path_episode: str | None, headers, run) -> dict:
+  def _once(self, kind: str, body: Mapping, path_episode: str | None, headers, run,
+            on_tokens) -> dict:
     """A call whose body is the episode's last call's, byte for byte after sorting keys (an
     SDK's automatic retry after a timeout or a dropped connection), gets that call's
     response (waiting for it while it runs) instead of a second turn or a
@@ -265,14 +264,15 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
       if last.response is not None:
         self.stats["replayed_calls"] += 1
         return last.response
-    delivery = _Delivery(key)
+    delivery = Delivery(key)
     try:
-      delivery.response = run(body, path_episode, headers, delivery)
+      delivery.response = run(body, path_episode, headers, delivery, on_tokens)
       return delivery.response
     finally:
       delivery.done.set()
 
-  def _chat(self, body: Mapping, path_episode: str | None, headers, delivery) -> dict:
+  def _chat(self, body: Mapping, path_episode: str | None, headers, delivery, on_tokens
+            ) -> dict:
     call = self._params(body, "chat")
     messages = parse_messages(body.get("messages"))
     tools = check_tools(body.get("tools"), body.get("tool_choice"))
@@ -305,7 +305,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           raise ApiError(400, "history_mismatch: an assistant message the engine did not "
                          "sample; replies must be this server's", "history_mismatch")
         new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id, tools=tools)
-      turn = self._run_turn(ep, new_ids, call)
+      turn = self._run_turn(ep, new_ids, call, on_tokens)
       message = {"role": "assistant", "content": turn.text}
       finish = finish_reason_name(ep.finish_reason)
       parsed = parse_tool_calls(self.tool_parser, turn.text) if (
@@ -329,7 +329,8 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           for s, lp in zip(self._pieces(turn.sampled), turn.sampled_logprobs)]}
     return self._response("chat.completion", "chatcmpl", ep, turn, choice)
 
-  def _complete(self, body: Mapping, path_episode: str | None, headers, delivery) -> dict:
+  def _complete(self, body: Mapping, path_episode: str | None, headers, delivery, on_tokens
+                ) -> dict:
     call = self._params(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -366,7 +367,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
           new_ids = self.tokenizer.encode(rest).tolist()
         except ValueError as e:
           raise ApiError(400, f"prompt: {e}") from None
-      turn = self._run_turn(ep, new_ids, call)
+      turn = self._run_turn(ep, new_ids, call, on_tokens)
       text = turn.text
       with self._lock:
         ep.kind, ep.ids_mode = "completion", ids_mode

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 import time
 import uuid
 from typing import Any
@@ -64,6 +65,14 @@ class EpisodeRecord:
             "reward": None if self.finished is None else float(self.finished.reward),
             "outcome": None if self.finished is None else self.finished.outcome.value}
 
+
+
+@dataclasses.dataclass(eq=False)
+class Delivery:
+  """An episode's last call: its body's key and, once it has run, its response."""
+  key: str
+  response: dict | None = None
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class EpisodeStore:

@@ -10,6 +10,7 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,8 @@ class Turn:
   stop_texts: tuple[str, ...] = ()  # the turn ends where its text first holds one of these
   text: str = ""  # the reply's text (without a stop token's or a stop string's text)
   extra_text: str = ""  # recorded text after `text` (a stop string and what its token held)
+  progress: Any = None  # a streamed turn: a queue of its sampled tokens so far, step by step
+  reported: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +104,7 @@ class EngineOwner:
             self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self._in_flight))
             for traj in self._step():
               self._turn_ended(traj)
+            self._report_progress()
         except Exception as e:  # pylint: disable=broad-except
           self._broken = e
           for turn in list(self._in_flight.values()) + list(self._pending):
@@ -219,6 +223,17 @@ class EngineOwner:
     self.stats["turns"] += 1
     turn.sampled, turn.sampled_logprobs = sampled, lps
     turn.done.set()
+
+  def _report_progress(self) -> None:
+    """Streamed turns still decoding: their sampled tokens so far, when there are more."""
+    for seq in self.engine.scheduler.slots:
+      turn = None if seq is None else self._in_flight.get(seq.request.request_id)
+      if turn is None or turn.progress is None:
+        continue
+      fed = turn.start + len(turn.new_ids)
+      if len(seq.tokens) - fed > turn.reported:
+        turn.reported = len(seq.tokens) - fed
+        turn.progress.put(list(seq.tokens[fed:]))
 
   def _fail(self, turn: Turn, error: ApiError) -> None:
     turn.error = error

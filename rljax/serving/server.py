@@ -9,9 +9,17 @@ import re
 import urllib.parse
 
 from rljax.serving.api import ApiError
-from rljax.serving.stream import check_stream, events
+from rljax.serving.stream import StreamWriter, check_stream
 
 _EPISODE_PATH = re.compile(r"^/episodes/([^/]+)(/v1/.*)$")
+
+
+def _model_card(endpoint, model_id: str | None = None) -> dict:
+  """`GET /v1/models/{id}` (404 `model_not_found` for any other id)."""
+  if model_id is not None and model_id != endpoint.model_name:
+    raise ApiError(404, f"the model {model_id[:80]!r} does not exist", "model_not_found",
+                   param="model")
+  return {"id": endpoint.model_name, "object": "model", "created": 0, "owned_by": "rljax"}
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -41,14 +49,6 @@ def make_handler(endpoint):
       self.end_headers()
       self.wfile.write(data)
 
-    def _send_events(self, data: bytes) -> None:
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.send_header("Cache-Control", "no-cache")
-      self.send_header("Content-Length", str(len(data)))
-      self.end_headers()
-      self.wfile.write(data)
-
     def _body(self) -> dict:
       try:
         n = int(self.headers.get("Content-Length") or 0)
@@ -67,6 +67,7 @@ def make_handler(endpoint):
       return body
 
     def _route(self, method: str) -> None:
+      writer = None
       try:
         path, episode = self.path.split("?")[0].rstrip("/"), None
         m = _EPISODE_PATH.match(path)
@@ -74,12 +75,14 @@ def make_handler(endpoint):
           episode, path = m.group(1), m.group(2)
         body = self._body()  # read whatever came, so a kept-alive connection stays in step
         endpoint.stats["http_requests"] += 1
-        streamed = method == "POST" and path in ("/v1/chat/completions", "/v1/completions") \
-            and check_stream(body)
+        generate = method == "POST" and path in ("/v1/chat/completions", "/v1/completions")
+        if generate and check_stream(body):
+          writer = StreamWriter(self, endpoint, body, chat=path == "/v1/chat/completions")
+        on_tokens = None if writer is None else writer.tokens
         if method == "POST" and path == "/v1/chat/completions":
-          out = endpoint.chat(body, episode, self.headers)
+          out = endpoint.chat(body, episode, self.headers, on_tokens=on_tokens)
         elif method == "POST" and path == "/v1/completions":
-          out = endpoint.complete(body, episode, self.headers)
+          out = endpoint.complete(body, episode, self.headers, on_tokens=on_tokens)
         elif method == "POST" and path == "/v1/episodes":
           out = endpoint.episode(endpoint.register(body.get("episode_id"),
                                                    body.get("group_id"))).summary()
@@ -95,22 +98,30 @@ def make_handler(endpoint):
         elif method == "GET" and path.startswith("/v1/episodes/"):
           out = endpoint.episode(path[len("/v1/episodes/"):]).summary()
         elif method == "GET" and path == "/v1/models":
-          out = {"object": "list", "data": [endpoint.model_card()]}
+          out = {"object": "list", "data": [_model_card(endpoint)]}
         elif method == "GET" and path.startswith("/v1/models/"):
-          out = endpoint.model_card(urllib.parse.unquote(path[len("/v1/models/"):]))
+          out = _model_card(endpoint, urllib.parse.unquote(path[len("/v1/models/"):]))
         elif method == "GET" and path == "/health":
           out = {"ok": endpoint._broken is None}  # pylint: disable=protected-access
         else:
           raise ApiError(404, f"no route {method} {path}", "not_found")
-        reply = functools.partial(self._send_events, events(out, body)) if streamed else \
-            functools.partial(self._send, 200, out)
+        reply = functools.partial(self._send, 200, out) if writer is None else \
+            functools.partial(writer.finish, out)
       except ApiError as e:
         endpoint.stats[f"http_{e.status}"] += 1
         reply = functools.partial(self._send, e.status, e.body())
+        if writer is not None and writer.started:
+          reply = functools.partial(writer.fail, e)
+      except OSError:  # the client went away mid-stream: a retry of the call gets it again
+        endpoint.stats["undelivered_replies"] += 1
+        self.close_connection = True
+        return
       except Exception as e:  # pylint: disable=broad-except
         endpoint.stats["http_500"] += 1
         error = ApiError(500, f"{type(e).__name__}: {e}", kind="server_error")
         reply = functools.partial(self._send, 500, error.body())
+        if writer is not None and writer.started:
+          reply = functools.partial(writer.fail, error)
       try:
         reply()
       except OSError:  # the client went away (a timeout): a retry of the call gets it again
