@@ -25,7 +25,8 @@ override that must agree with the checkpoint (`model_config`).
 
 Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive updates of
 nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
-`rl.collapse_fall` / `rl.collapse_window`, `eval.collapse_fall`.
+`rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
+`eval.collapse_fall`.
 
 Values a run would only trip over later (at its first update, evaluation or checkpoint,
 after the model is loaded) are checked here too: the advantage estimator, the loss's
