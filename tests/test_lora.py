@@ -196,11 +196,12 @@ def test_a_lora_grpo_step_trains_only_the_adapters_and_stays_on_policy_bitwise(t
 
 
 class _ParityArithmetic(ArithmeticEnv):
-  """arith_tiny's prompts scored by the completion's length parity: rewards differ within
-  a group whatever the policy, so a two-step run from a random start has gradients."""
+  """arith_tiny's prompts scored by the parity of the completion's token-id sum: rewards
+  differ within a group whatever the policy (a random start's samples all run out of
+  max_new_tokens, so their lengths would tie), so a two-step run has gradients."""
 
   def verify(self, task, completion_ids):
-    return Verdict.success() if len(completion_ids) % 2 else Verdict.model_failure("even")
+    return Verdict.success() if sum(completion_ids) % 2 else Verdict.model_failure("even")
 
 
 def parity_arithmetic(**kwargs):
@@ -234,6 +235,7 @@ def test_a_lockstep_lora_run_trains_adapters_on_its_frozen_base_with_zero_mismat
   grpo = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r["phase"] == "grpo"]
   assert len(grpo) == 2 and all(r["mismatch_tokens"] > 0 for r in grpo)
   assert all(r["mismatch_max_abs"] == 0.0 and not r["skipped"] for r in grpo)
+  assert all(r["signal_fraction"] > 0 for r in grpo), grpo  # the parity env always has one
   # arith_tiny's rl.kl_to_start: a LoRA run's reference is the base itself, and fresh
   # adapters (B = 0) are the base bit for bit: kl 0.0 on the first step
   assert grpo[0]["kl"] == 0.0 and grpo[0]["entropy"] > 0
