@@ -1,4 +1,10 @@
-"""Decode engine: fidelity to the training forward, batching, sharing, sampling, records."""
+"""Decode engine: fidelity to the training forward, batching, sharing, sampling, records.
+
+Engines share one page pool (`POOL`, 65 pages of 16) and row length (128) unless a test
+is about them, so their programs differ only in the slot count and compile once per run
+(the persistent compile cache shares them across files too)."""
+
+import functools
 
 import chex
 import jax
@@ -16,6 +22,7 @@ from rljax.rl.trajectory import FinishReason
 
 DET = Numerics("deterministic")
 EOS = 2
+POOL = dict(max_seq_len=128, num_pages=65)  # 8 slots x 8 pages + the null page
 
 
 def _requests(cfg, count, n=1, seed=0, max_new=24, **sampling):
@@ -26,15 +33,25 @@ def _requests(cfg, count, n=1, seed=0, max_new=24, **sampling):
           for i in range(count)]
 
 
-def _trainer_view(params, cfg, trajs, numerics=DET, routing=None, temperature=1.0):
-  """Trainer-side log-probs of each trajectory's completion tokens and its routing."""
-  p = pack([t.tokens for t in trajs], 128, cfg.page_size)
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "temperature"))
+def _packed_forward(params, tokens, positions, segment_ids, targets, *, cfg, numerics,
+                    temperature):
+  out = forward(params, tokens, positions, cfg=cfg, numerics=numerics,
+                segment_ids=segment_ids, targets=targets, temperature=temperature)
+  return out.logprobs, out.routing
+
+
+def _trainer_view(params, cfg, trajs, numerics=DET, temperature=1.0):
+  """Trainer-side log-probs of each trajectory's completion tokens and its routing. The
+  rows are padded to a power of two (rows are independent: batch invariance), so calls
+  with other trajectory counts share one compiled forward."""
+  rows = len(pack([t.tokens for t in trajs], 128, cfg.page_size).tokens)
+  p = pack([t.tokens for t in trajs], 128, cfg.page_size, num_rows=1 << (rows - 1).bit_length())
   targets = np.concatenate([p.tokens[:, 1:], np.zeros_like(p.tokens[:, :1])], axis=1)
-  out = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=cfg, numerics=numerics,
-                                    segment_ids=p.segment_ids, targets=targets,
-                                    temperature=temperature))(params)
-  lps = unpack(np.asarray(out.logprobs), p)
-  routes = unpack(np.asarray(out.routing), p)
+  logprobs, routing = _packed_forward(params, p.tokens, p.positions, p.segment_ids, targets,
+                                      cfg=cfg, numerics=numerics, temperature=temperature)
+  lps = unpack(np.asarray(logprobs), p)
+  routes = unpack(np.asarray(routing), p)
   views = []
   for t, lp, r in zip(trajs, lps, routes):
     n_p, n_c = len(t.prompt_ids), len(t.completion_ids)
@@ -57,11 +74,10 @@ def det_runs(tiny_cfg, tiny_params):
   for name, slots, order, steps in (("slots8", 8, reqs, 8),
                                     ("slots3_reversed_1step", 3, reqs[::-1], 1),
                                     ("slots5_shuffled_3steps", 5, shuffled, 3)):
-    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, max_seq_len=128,
+    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, **POOL,
                        eos_id=EOS, steps_per_call=steps)
     runs[name] = (eng, eng.generate(order))
-  alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=128,
-                       eos_id=EOS)
+  alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL, eos_id=EOS)
   runs["alone"] = (alone, alone.generate([reqs[2]]))
   return runs
 
@@ -93,7 +109,7 @@ def test_no_recompiles_and_pages_freed(det_runs):
 
 
 def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=128)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL)
   prompt = np.arange(3, 3 + 37) % tiny_cfg.vocab_size  # 2 full pages + 5 tokens
   trajs = eng.generate([Request(1, prompt, n=8, sampling=SamplingParams(max_new_tokens=10))])
   assert len(trajs) == 8 and eng.stats["prefill_tokens"] == 37
@@ -102,7 +118,7 @@ def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
 
 
 def test_stop_conditions(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
   (t,) = eng.generate(_requests(tiny_cfg, 1, max_new=5))
   assert t.finish_reason == FinishReason.LENGTH and len(t.completion_ids) == 5
   greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
@@ -112,17 +128,16 @@ def test_stop_conditions(tiny_cfg, tiny_params):
       temperature=0.0, max_new_tokens=20, stop_tokens=(stop,)))])
   assert s.finish_reason == FinishReason.STOP and s.completion_ids[-1] == stop
   assert len(s.completion_ids) <= 4
-  eos_eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64,
-                         eos_id=stop)
+  eos_eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL, eos_id=stop)
   (e,) = eos_eng.generate([Request(1, np.array([5, 6, 7]), sampling=greedy)])
   assert e.finish_reason == FinishReason.EOS
   np.testing.assert_array_equal(e.completion_ids, s.completion_ids)
-  (m,) = eng.generate([Request(1, np.arange(3, 60), sampling=SamplingParams(max_new_tokens=50))])
-  assert m.finish_reason == FinishReason.CONTEXT and len(m.tokens) == 64  # max_seq_len
+  (m,) = eng.generate([Request(1, np.arange(3, 124), sampling=SamplingParams(max_new_tokens=50))])
+  assert m.finish_reason == FinishReason.CONTEXT and len(m.tokens) == 128  # max_seq_len
 
 
 def test_sampling_modes(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
   prompt = np.array([9, 8, 7, 6])
 
   def one(**kw):
@@ -155,7 +170,7 @@ def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg,
   # Request.sampling_id (what the OpenAI endpoint's `seed` uses): requests with other ids
   # and the same seed and sampling id sample the same tokens, those of a request whose id
   # it is
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=64)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
   prompt, sp = np.array([9, 8, 7, 6]), SamplingParams(max_new_tokens=12)
   out = _by_key(eng.generate([Request(3, prompt, sampling=sp, seed=5, sampling_id=77),
                               Request(4, prompt, sampling=sp, seed=5, sampling_id=77),
@@ -170,7 +185,7 @@ def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg,
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, max_seq_len=128,
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL,
                      weight_update=policy)
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)
@@ -196,7 +211,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
 
 
 def test_multi_turn_extension_prefills_only_new_tokens(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=2, max_seq_len=128)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
   req = Request(7, np.array([4, 5, 6, 7, 8]), n=2, keep_pages=True,
                 sampling=SamplingParams(max_new_tokens=6))
   first = eng.generate([req])
