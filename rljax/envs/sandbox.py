@@ -5,12 +5,20 @@
   observation = result.as_observation()    # the compact text a policy sees
 
 `run_python(code, limits, stdin)` never raises on anything the code does. The program's
-own failures (it raised, exited non-zero, ran out of time, CPU, memory or output) are
-observations: `status` says which, `stdout` / `stderr` (each cut at `output_bytes`, with
-a marker) and `detail` say the rest. A failure of the sandbox itself (the interpreter
-could not start, a namespace or mount could not be set up, a report went missing) sets
-`infra_error` and status "infra_error": an env turns that into a failed step (an
-infra_failure episode, kept out of gradients and baselines), never into an observation.
+own failures (it raised, exited non-zero, ran out of time, CPU, memory or output, crashed
+its interpreter, signalled itself, its group or its supervisor) are observations:
+`status` says which, `stdout` / `stderr` (each cut at `output_bytes`, with a marker) and
+`detail` say the rest. `infra_error` (status "infra_error", an env's failed step: an
+infra_failure episode, kept out of gradients and baselines) is set only for failures the
+host proves its own, each with its reason: no working directory (host resources), the
+interpreter could not start, the launcher or supervisor reported a setup error (a
+namespace, mount, rlimit, uid, seccomp or exec step), the launcher ended before its
+supervisor reported "started", the program was not started within wall_s, or "auto"
+found no namespaces (refused, below). The supervisor reports "started" just before it
+forks the program, so a run that ends after that without the program's wait status was
+ended by the program (nothing of the host's runs there but wait4 and one write): it is
+status "error", the program's failure. The program cannot write to the status pipe (it
+is closed at its exec), so it cannot forge a report.
 
 Processes. `run_python` starts `python -I -S sandbox.py --launch CONFIG` (this file as
 a script, stdlib only) in a session and process group of its own, with a minimal
@@ -38,34 +46,60 @@ Limits (rlimits of P2, inherited by whatever it starts; all enforced by the kern
                  process: the total is bounded by max_processes x memory_bytes.
   RLIMIT_FSIZE   max_file_bytes per file (a write past it fails with EFBIG)
   RLIMIT_NPROC   max_processes (Linux counts threads too). It is per user, and not
-                 enforced at all for root, so the program never runs as the host's user
-                 when the host is root: it gets a uid of its own (1,600,000,000 + the
-                 launcher's pid, unique among live runs), whose count starts at zero; a
-                 fork bomb then fails to fork past the limit, the host's user is not
-                 charged, and the wall-time kill ends it. Without root, a user
-                 namespace counts the program's processes apart from the host user's.
+                 enforced at all for root, so the program never runs as root (either
+                 mode; P2 refuses to exec as uid 0): on a root host it gets a uid of its
+                 own (1,600,000,000 + the launcher's pid, unique among live runs), whose
+                 count starts at zero; a fork bomb then fails to fork past the limit, the
+                 host's user is not charged, and the wall-time kill ends it. Without
+                 root, a user namespace counts the program's processes apart from the
+                 host user's.
   RLIMIT_NOFILE  max_open_files;  RLIMIT_CORE 0 (no core dumps)
   disk           namespaces only: the working directory is a tmpfs of disk_bytes
 
 Isolation, chosen once per interpreter by `sandbox_isolation()` (a probe run: the
-namespace setup either works or is reported as unavailable, with the reason):
+namespace setup either works or is reported as unavailable, with the reason). It fails
+closed: `isolation="auto"` runs only with namespaces; where they are unavailable it
+refuses (infra_error "refused: ...") and the fallback runs only when a caller names
+"audit_hook" (python_tool: `env.sandbox.isolation = "audit_hook"`, with a warning).
+Both modes load a seccomp filter into P2 before its exec (`sandbox_seccomp.py`,
+libseccomp through ctypes; inherited by every process and thread the program starts):
+no AF_UNIX socket() (host unix sockets by path or abstract name; socketpair stays), no
+io_uring, ptrace, process_vm_*, pidfd_open/getfd/send_signal, new namespaces or mounts;
+audit_hook mode also no socket() of any family and no kill/tgkill/rt_sig*queueinfo to a
+pid but the program's own (its group, supervisor, -1 included), no tkill. Without
+libseccomp the run is an infra_error (so the probe reports namespaces unavailable).
   "namespaces"  new mount, network, pid, IPC and UTS namespaces (root: directly, with the
                 unique uid above; otherwise inside a new user namespace that maps only
                 the host user's own uid, whose capabilities are gone at the exec).
                 Network: a fresh network namespace holds only a loopback device that is
                 down, so every connect, to 127.0.0.1 included, fails with ENETUNREACH,
-                and DNS lookups fail; the host's listeners are unreachable.
+                and DNS lookups fail; abstract unix names are per network namespace.
+                Host unix sockets at file paths are not network endpoints (a read-only
+                mount does not stop connect()): seccomp refuses socket(AF_UNIX), and
+                the host's temp directory is hidden besides (below).
                 Files: every mount is remounted read-only (plus nosuid) in the private
                 mount namespace, then the working directory gets a fresh tmpfs of its
                 own (read-write, disk_bytes, owned by the program's uid): writes anywhere
                 else fail with EROFS (or EACCES), whatever the program does, and the
-                tmpfs disappears with the namespace. /proc is mounted anew for the pid
+                tmpfs disappears with the namespace. The working directory's parent
+                (the host's temp directory: other episodes' working directories, host
+                files and sockets there) is covered first by an empty read-only tmpfs
+                (unless the interpreter lives under it), so episodes see no one else's
+                files and nothing persists to the next. /proc is mounted anew for the pid
                 namespace (the program is pid 2 and sees only its own processes). As root
                 with the unique uid, directories on the interpreter's path that other
                 users cannot enter (a pyenv under /root, say) are overlaid by a
                 read-only tmpfs holding only that path, so the rest stays hidden.
   "audit_hook"  the fallback where namespaces are unavailable (a container without
-                CAP_SYS_ADMIN or user namespaces). A `sys.addaudithook` hook, installed
+                CAP_SYS_ADMIN or user namespaces), by name only. On a root host the
+                program runs as a uid of its own (as above; the working directory is
+                chowned to it), so it cannot signal or ptrace host processes, read
+                others' private files (other episodes' directories are 0700, each its
+                own uid's) or write root's (the stdlib); RLIMIT_NPROC holds; and after
+                the run every process of that uid is SIGKILLed (kill -1 as that uid),
+                so a setsid() leftover dies too. Its interpreter must be one that other
+                users may run (a Python under /root is not: the run is an infra_error
+                naming it). A `sys.addaudithook` hook, installed
                 by the bootstrap before the program's first line (a hook cannot be
                 removed), refuses: sockets other than AF_UNIX, AF_UNIX addresses outside
                 the working directory, name lookups; opening for writing, creating,
@@ -73,13 +107,14 @@ namespace setup either works or is reported as unavailable, with the reason):
                 the working directory (symlinks resolved); starting programs (exec,
                 spawn, system, subprocess, _posixsubprocess), ctypes, gc's object walks,
                 and signals to other processes. PEP 578 hooks are not a security
-                boundary: this stops ordinary code, not a determined adversary (a
-                dir_fd-relative open, say), and a process that calls setsid() can
-                outlive the wall-time kill. The program runs as the host's user, so
-                RLIMIT_NPROC is that user's task count now plus max_processes; for a
-                root host, where RLIMIT_NPROC does not apply, the hook refuses os.fork
-                too (threads remain, bounded by RLIMIT_AS). No disk quota, no pid
-                namespace (the program sees and may read the host's /proc).
+                boundary: this stops ordinary code, not a determined adversary; what
+                holds against one is the uid and seccomp. Not contained: writes to
+                world-writable host directories (/tmp, /dev/shm) through a dir_fd-
+                relative open, reads of world-readable host files and of /proc (no pid
+                namespace), disk use (RLIMIT_FSIZE per file, no quota). A non-root
+                host runs the program as the host's user (RLIMIT_NPROC: that user's
+                task count now plus max_processes), seccomp keeping its signals to
+                itself.
 `run_python(..., isolation=...)` forces either mode (the tests run both).
 
 Reading stays allowed wherever the program's uid may read (the stdlib, say): the sandbox
@@ -185,7 +220,7 @@ class Isolation:
   network: str  # "netns" | "audit_hook"
   filesystem: str  # "read_only_mounts" | "audit_hook"
   processes: str  # "pid_namespace" | "process_group"
-  user: str  # "unique_uid" (root host) | "user_namespace" | "host_uid"
+  user: str  # "unique_uid" (root host, either mode) | "user_namespace" | "host_uid"
   reason: str = ""  # why namespaces are not used
 
 
@@ -198,7 +233,8 @@ def sandbox_isolation(interpreter: str | None = None) -> Isolation:
   if probe.status == "ok":
     return Isolation("namespaces", "netns", "read_only_mounts", "pid_namespace",
                      "unique_uid" if os.geteuid() == 0 else "user_namespace")
-  return Isolation("audit_hook", "audit_hook", "audit_hook", "process_group", "host_uid",
+  return Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
+                   "unique_uid" if os.geteuid() == 0 else "host_uid",
                    reason=probe.infra_error or f"{probe.status}: {probe.detail}")
 
 
@@ -217,14 +253,22 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
   start = time.monotonic()
   mode, box = "", None
   try:
-    mode = sandbox_isolation(interpreter).mode if isolation == "auto" else isolation
+    if isolation == "auto":
+      found = sandbox_isolation(interpreter)
+      if found.mode != "namespaces":  # fail closed: the fallback only by name
+        return _infra(f"refused: namespaces are unavailable ({found.reason}); the "
+                      "audit_hook fallback runs only when chosen by name", 0.0, "")
+    mode = "namespaces" if isolation == "auto" else isolation
     box = tempfile.mkdtemp(prefix="rljax-sandbox-")
     return _run(code, limits, stdin, interpreter, mode, box)
   except Exception as e:  # pylint: disable=broad-except  (the sandbox's failure)
     return _infra(f"{type(e).__name__}: {e}", time.monotonic() - start, mode)
   finally:
     if box is not None:
-      _remove_tree(box)
+      try:
+        _remove_tree(box)
+      except Exception:  # pylint: disable=broad-except  (a tree too deep for rmtree)
+        subprocess.run(["rm", "-rf", "--", box], check=False)
 
 
 # ------------------------------------------------------------------------------- the host
@@ -246,6 +290,29 @@ def _remove_tree(path: str) -> None:
     except OSError:
       pass
   shutil.rmtree(path, onerror=retry)
+
+
+def _kill_uid(uid: int) -> None:
+  """SIGKILLs every process of uid (a program's own uid: audit-hook mode as root), by
+  kill(-1) from a process of that uid, until none is left."""
+  for _ in range(10):
+    subprocess.run(["kill", "-KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                   env={"PATH": _PATH})
+    if not _live_tasks_of(uid):
+      return
+
+
+def _live_tasks_of(uid: int) -> bool:
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+      if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+        return True
+    except (OSError, ValueError, KeyError):
+      continue
+  return False
 
 
 def _kill_group(pgid: int) -> None:
@@ -281,8 +348,10 @@ def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, mode: s
     out, err, status, killed_for = _communicate(proc, status_r, stdin.encode(), limits, start)
   finally:
     # whatever is left of the group goes; the launcher is reaped only now, so until here
-    # its pid (the group's id) cannot name anything else
+    # its pid (the group's id, and the program's uid's offset) cannot name anything else
     _kill_group(proc.pid)
+    if mode == "audit_hook" and os.geteuid() == 0:
+      _kill_uid(_UID_BASE + proc.pid)  # no pid namespace: leftovers that left the group
     proc.wait()
   wall_s = time.monotonic() - start
   return _result(out, err, status, killed_for, limits, wall_s, mode, proc.returncode)
@@ -406,9 +475,15 @@ def _result(out: bytes, err: bytes, status_bytes: bytes, killed_for: str | None,
   if killed_for == "timeout":
     return result("timeout", None, signal.SIGKILL,
                   f"killed after {limits.wall_s:g} s of wall time")
-  if "wait_status" not in reports:
-    return _infra("the sandbox's supervisor ended without reporting the program's status "
+  if "wait_status" not in reports and "started" not in reports:
+    return _infra("the launcher ended before starting the program "
                   f"(launcher exit code {launcher_code})", wall_s, mode, stdout, stderr)
+  if "wait_status" not in reports:
+    # the supervisor reported the program started, then ended without its status: nothing
+    # of the host's runs there after that report but wait4 and one write, so the program
+    # ended it (a signal to its group or its supervisor): the program's failure
+    return result("error", None, None, "the program ended its own supervisor "
+                  f"(no status reported; launcher exit code {launcher_code})")
   wait_status, cpu_limit = reports["wait_status"], math.ceil(limits.cpu_s)
   if os.WIFSIGNALED(wait_status):
     sig = os.WTERMSIG(wait_status)
@@ -485,7 +560,7 @@ def _guard(root, may_fork):
       if not (isinstance(address, (str, bytes)) and address[:1] not in ("\0", b"\0", "", b"")
               and inside(address)):
         deny(f"{event} to {address!r}")
-    elif event in ("os.kill", "os.killpg") and args[0] not in (0, me, os.getpgid(0)):
+    elif (event == "os.kill" and args[0] != me) or event == "os.killpg":
       deny(f"{event} of another process")
 
   sys.addaudithook(hook)
@@ -636,14 +711,21 @@ def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
     libc.mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
   except OSError:
     pass
+  targets = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix,
+                                           sys.exec_prefix, sys.base_exec_prefix)}
+  targets.add(os.path.dirname(os.path.abspath(sys.executable)))
   if root:
-    targets = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix,
-                                             sys.exec_prefix, sys.base_exec_prefix)}
-    targets.add(os.path.dirname(os.path.abspath(sys.executable)))
     _expose(libc, targets, uid, gid)
   main = os.path.join(work, "main.py")
   with open(main, "rb") as f:
     source = f.read()
+  # the host's temp directory (other episodes' working directories, host sockets and
+  # files there) is hidden under an empty tmpfs, unless the interpreter lives in it
+  parent = os.path.dirname(work)
+  if parent != "/" and not any(t == parent or t.startswith(parent + "/") for t in targets):
+    libc.mount("tmpfs", parent, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+               "mode=0755,size=64k")
+    os.mkdir(work, 0o700)
   libc.mount("tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
              f"size={disk_bytes},mode=0700,uid={uid},gid={gid}")
   with open(main, "wb") as f:
@@ -681,7 +763,7 @@ def _tasks_of(uid: int) -> int:
 
 
 def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
-                  drop: bool, ns: bool) -> None:
+                  drop: bool, ns: bool, seccomp) -> None:
   """P2: limits, identity, then the program's interpreter. Never returns."""
   import resource  # pylint: disable=import-outside-toplevel
   try:
@@ -702,35 +784,47 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
       os.setgroups([])
       os.setresgid(gid, gid, gid)
       os.setresuid(uid, uid, uid)
+    if os.getuid() == 0 or os.geteuid() == 0:
+      raise OSError("refusing to run the program as root")
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
     work = config["work"]
     env = {"PATH": _PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
            "TMPDIR": work}
     bootstrap = f"exec(compile({_BOOTSTRAP!r}, '<sandbox>', 'exec'))"
-    may_fork = "1" if ns or os.getuid() != 0 else "0"  # RLIMIT_NPROC holds, or no fork
+    # never root, so RLIMIT_NPROC holds: the program may fork
+    if not os.access(sys.executable, os.X_OK):
+      raise OSError(f"the interpreter {sys.executable} is not reachable by the program's "
+                    f"unprivileged uid {uid} (audit_hook mode cannot hide the directories "
+                    "above it: use a Python other users may run)")
+    seccomp.install(config["mode"], os.getpid())  # last: execve stays allowed
     os.execve(sys.executable, [sys.executable, "-I", "-S", "-u", "-c", bootstrap,
-                               config["mode"], work, may_fork], env)
+                               config["mode"], work, "1"], env)
   except BaseException as e:  # pylint: disable=broad-except
     _report(status_fd, setup_error=f"starting the program: {type(e).__name__}: {e}")
   os._exit(127)  # pylint: disable=protected-access
 
 
 def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, drop: bool,
-               ns: bool) -> None:
+               ns: bool, seccomp) -> None:
   """P1 (the pid namespace's init with namespaces): mounts, then the program; reports
   its wait status and rusage. Never returns."""
   try:
     if ns:
       _set_up_mounts(libc, config["work"], uid, gid, drop, config["limits"]["disk_bytes"])
+    elif drop:  # audit_hook as root: the working directory becomes the program's uid's
+      for path in (config["work"], os.path.join(config["work"], "main.py")):
+        os.chown(path, uid, gid)
     os.chdir(config["work"])
+    # before the fork: from here on the program may exist, and whatever ends this process
+    # without a setup_error or a wait status is the program's doing (see _result)
+    _report(status_fd, started=True)
     program = os.fork()
   except BaseException as e:  # pylint: disable=broad-except
     _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(1)  # pylint: disable=protected-access
   if program == 0:
-    _exec_program(libc, config, status_fd, uid, gid, drop, ns)
-  _report(status_fd, started=True)
+    _exec_program(libc, config, status_fd, uid, gid, drop, ns, seccomp)
   _quiet_stdio()
   while True:  # reaps orphans too (in a pid namespace they come to its init)
     try:
@@ -744,14 +838,26 @@ def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, dr
   os._exit(0)  # pylint: disable=protected-access
 
 
+def _load_seccomp():
+  """sandbox_seccomp.py, beside this file (the launcher runs with -I -S: no sys.path)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_seccomp.py")
+  spec = importlib.util.spec_from_file_location("rljax_sandbox_seccomp", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def _launch(config: dict) -> None:
   """P0, run as `python -I -S sandbox.py --launch CONFIG` by run_python."""
   status_fd = config["status_fd"]
   os.set_inheritable(status_fd, False)  # the program's exec closes it
   try:
     libc = _Libc()
+    seccomp = _load_seccomp()
+    seccomp._library()  # pylint: disable=protected-access  (libseccomp missing: setup_error)
     ns, root = config["mode"] == "namespaces", os.geteuid() == 0
-    drop = root and ns  # a uid of its own (see the module docstring)
+    drop = root  # never root: a uid of its own (see the module docstring)
     uid, gid = ((_UID_BASE + os.getpid(),) * 2 if drop else (os.getuid(), os.getgid()))
     if ns:
       flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
@@ -765,7 +871,7 @@ def _launch(config: dict) -> None:
     _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(1)  # pylint: disable=protected-access
   if supervisor == 0:
-    _supervise(libc, config, status_fd, uid, gid, drop, ns)
+    _supervise(libc, config, status_fd, uid, gid, drop, ns, seccomp)
   _quiet_stdio()
   os.waitpid(supervisor, 0)
   os._exit(0)  # pylint: disable=protected-access
