@@ -545,6 +545,15 @@ def test_tools_are_rendered_by_the_template_and_tool_calls_round_trip(served):
     with pytest.raises(openai.BadRequestError) as e:
       _chat(client, "tools", msgs, tools=TOOLS, tool_choice="required")
     assert e.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:  # a named function: forced too
+      _chat(client, "tools", msgs, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "add"}})
+    assert e.value.param == "tool_choice"
+    _register(endpoint, "tools-none")  # "none": the tools rendered, no call parsed
+    r = _chat(client, "tools-none", msgs, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert tok.decode(r.rljax["prompt_token_ids"]).startswith("<|im_start|>system\n<tools>add ")
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason != "tool_calls"
+    endpoint.drop("tools-none")
     r1 = _chat(client, "tools", msgs, tools=TOOLS, max_tokens=6)
     assert r1.choices[0].finish_reason == "tool_calls"
     (call,) = r1.choices[0].message.tool_calls
