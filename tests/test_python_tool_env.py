@@ -4,6 +4,8 @@ sandbox, per-episode tool metrics from the rollout, and a short run of
 configs/python_tool_tiny.py's pipeline."""
 
 import json
+import logging
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 from rljax import envs
 from rljax.engine.engine import DecodeEngine, SamplingParams
-from rljax.envs import python_tool
+from rljax.envs import python_tool, sandbox
 from rljax.envs.base import StepResult
 from rljax.envs.sandbox import SandboxLimits, SandboxResult
 from rljax.envs.tokenizer import CALL_CLOSE_ID, EOS_ID, OBS_CLOSE_ID, OBS_OPEN_ID, CharTokenizer
@@ -132,7 +134,8 @@ def test_observation_text_is_one_clipped_line_that_changes_no_structure(env):
 
 
 def test_the_sandbox_failing_is_an_infra_failure_not_an_observation():
-  broken = envs.PythonToolEnv(interpreter="/bin/false")
+  # forced to namespaces: "auto" would refuse at construction (the probe fails)
+  broken = envs.PythonToolEnv(interpreter="/bin/false", isolation="namespaces")
   task = broken.prompts("train", 1, seed=0)[0]
   step = broken.step(task, EMPTY, ids(f"<calc>print({task.data['expression']})</calc>"))
   assert step.done and step.observation_ids is None and step.error.startswith("sandbox: ")
@@ -248,3 +251,61 @@ def test_a_short_run_of_the_config_reports_tool_metrics(tmp_path):
   evals = [r for r in records if r["phase"] == "eval"]
   assert len(evals) == 3 and all("greedy_turns_per_episode" in r for r in evals)
   assert all("greedy_tool_calls_per_episode" in r for r in evals[1:])  # after SFT
+
+
+def test_the_fallback_runs_only_when_chosen_by_name(monkeypatch, caplog):
+  fallback = sandbox.Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
+                               "host_uid", reason="unshare: Operation not permitted")
+  monkeypatch.setattr(python_tool, "sandbox_isolation", lambda interpreter=None: fallback)
+  with pytest.raises(ValueError, match="env.sandbox.isolation = 'audit_hook'"):
+    envs.PythonToolEnv()  # auto, namespaces unavailable: refused
+  with pytest.raises(ValueError, match="isolation must be one of"):
+    envs.PythonToolEnv(sandbox={"isolation": "chroot"})
+  with pytest.raises(ValueError, match="unknown sandbox settings"):
+    envs.PythonToolEnv(sandbox={"isolaton": "audit_hook"})
+  with caplog.at_level(logging.WARNING):
+    opted = envs.PythonToolEnv(sandbox={"isolation": "audit_hook"})
+  assert opted.isolation == "audit_hook"
+  assert "does not contain" in caplog.text and "audit_hook" in caplog.text
+  # run_python itself: "auto" without namespaces runs nothing
+  monkeypatch.setattr(sandbox, "sandbox_isolation", lambda interpreter=None: fallback)
+  r = sandbox.run_python("print(1)")
+  assert r.status == "infra_error" and r.infra_error.startswith("refused: namespaces"), r
+  assert r.stdout == ""
+
+
+# The program ends its own run: each is the program's failure (a tool error observation),
+# never the sandbox's (an infra failure out of the gradient)
+SELF_INFLICTED = {
+    "own_group": "import os, signal\nos.kill(0, signal.SIGKILL)",
+    "own_pid": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+    "supervisor": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+                  "os.kill(os.getpid(), signal.SIGKILL)",
+    "killpg": "import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)",
+    "every_process": "import os, signal\nos.kill(-1, signal.SIGKILL)",
+    "pidfd_supervisor": "import os, signal\n"
+                        "signal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)",
+    "abort": "import os\nos.abort()",
+    "segfault": "import faulthandler\nfaulthandler._sigsegv()",
+    "fd_limit": "import os\nfds = [os.open('/dev/null', 0) for _ in range(10**5)]",
+    "thread_limit": "import threading, time\n"
+                    "[threading.Thread(target=time.sleep, args=(9,), daemon=True).start() for _ in range(99)]",
+}
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "audit_hook"])
+def test_a_run_the_program_ended_is_its_failure(isolation):
+  if isolation == "namespaces" and sandbox.sandbox_isolation().mode != "namespaces":
+    pytest.skip(f"namespaces unavailable: {sandbox.sandbox_isolation().reason}")
+  interpreter = None
+  if isolation == "audit_hook" and os.geteuid() == 0:
+    interpreter = "/usr/bin/python3"  # one an unprivileged uid can run (not under /root)
+    if not os.path.exists(interpreter):
+      pytest.skip("no interpreter an unprivileged uid may run")
+  env = envs.PythonToolEnv(sandbox={"isolation": isolation}, interpreter=interpreter,
+                           limits=dict(wall_s=5.0))
+  for name, code in SELF_INFLICTED.items():
+    step = env._answer_call(code)  # pylint: disable=protected-access
+    assert step.error is None and not step.done, (name, step)
+    assert step.info == {"tool_calls": 1, "tool_errors": 1}, (name, obs_text(step))
+  assert env.stats["infra_errors"] == 0

@@ -44,7 +44,15 @@ concurrently (`rljax.pipeline.rollout`), and this env bounds how many sandboxes 
 once (`max_concurrent`, default 2 x CPU count): more only queue on the CPUs, and the
 wall-time limit counts from the sandbox's start, not from the wait. `stats` counts calls and their seconds (the per-call cost a run reports).
 `limits` (a `SandboxLimits` or a dict over DEFAULT_LIMITS), `isolation` and `interpreter`
-go to `run_python` as they are.
+go to `run_python` as they are. The env fails closed: with `isolation="auto"` (the
+default) where the sandbox's namespaces are unavailable it refuses to be built; the weaker
+audit-hook fallback runs only when named (`sandbox={"isolation": "audit_hook"}`, from
+`config.env.sandbox`, or `isolation="audit_hook"`), and logs a warning at start saying
+what it does not contain. A run the program itself ended (a signal to itself, its group
+or its supervisor, a limit, a crash of its interpreter) is an error observation (a tool
+error; the episode scored like any failure, in the gradient); only the sandbox's own
+failures, which the host proves (`SandboxResult.infra_error`), end the episode as an
+infra failure.
 
 The `info` of each answered action's step: {"tool_calls": 1, "tool_errors": 0 | 1}; the
 rollout sums them per episode (with the episode's turns) into `Trajectory.info`.
@@ -52,6 +60,7 @@ rollout sums them per episode (with the episode's turns) into `Trajectory.info`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -62,7 +71,8 @@ import numpy as np
 
 from rljax.envs.base import SFTTarget, StepResult, Task
 from rljax.envs.calculator import CalculatorEnv
-from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from rljax.envs.sandbox import (ISOLATIONS, SandboxLimits, SandboxResult, run_python,
+                                sandbox_isolation)
 from rljax.envs.tokenizer import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 
 # Tight limits for one-line arithmetic programs: the sandbox's defaults allow 10 s of wall
@@ -72,6 +82,13 @@ DEFAULT_LIMITS = dict(cpu_s=1.0, wall_s=3.0, memory_bytes=256 * 1024 * 1024,
                       output_bytes=4096, max_processes=8, max_open_files=32,
                       max_file_bytes=1024 * 1024, disk_bytes=4 * 1024 * 1024)
 _SPACE = re.compile(r"\s+")
+AUDIT_HOOK_WARNING = (
+    "python_tool runs model-written code in the audit_hook fallback (chosen by name): no "
+    "namespaces, so it does not contain reads of host files other users may read, writes "
+    "to world-writable host directories through descriptors (dir_fd), disk use (no quota: "
+    "RLIMIT_FSIZE per file only) or what the audit hook cannot see; it does contain "
+    "sockets, signals to other processes (seccomp) and root (the program runs as a uid "
+    "of its own)")
 
 
 def program_of(task: Task) -> str:
@@ -85,7 +102,8 @@ class PythonToolEnv(CalculatorEnv):
   def __init__(self, *, min_digits: int = 3, max_digits: int = 3, max_obs_tokens: int = 24,
                limits: SandboxLimits | Mapping[str, Any] | None = None,
                isolation: str = "auto", interpreter: str | None = None,
-               max_concurrent: int = 0, **kwargs):
+               max_concurrent: int = 0, sandbox: Mapping[str, Any] | None = None,
+               **kwargs):
     super().__init__(min_digits=min_digits, max_digits=max_digits, **kwargs)
     if max_obs_tokens < 8:
       raise ValueError(f"max_obs_tokens must be >= 8, got {max_obs_tokens}")
@@ -93,6 +111,22 @@ class PythonToolEnv(CalculatorEnv):
       self.limits = limits
     else:
       self.limits = SandboxLimits(**(DEFAULT_LIMITS | dict(limits or {})))
+    if isinstance(sandbox, Mapping):
+      isolation = sandbox.get("isolation", isolation)
+      unknown = set(sandbox) - {"isolation"}
+      if unknown:
+        raise ValueError(f"unknown sandbox settings {sorted(unknown)} (known: isolation)")
+    if isolation not in ISOLATIONS:
+      raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, not {isolation!r}")
+    if isolation == "auto":  # fail closed: the fallback only by name
+      found = sandbox_isolation(interpreter)
+      if found.mode != "namespaces":
+        raise ValueError(
+            f"the sandbox's namespaces are unavailable here ({found.reason}); python_tool "
+            "refuses to run model code without them unless the config chooses the weaker "
+            "fallback by name: env.sandbox.isolation = 'audit_hook'")
+    elif isolation == "audit_hook":
+      logging.warning(AUDIT_HOOK_WARNING)
     self.max_obs_tokens, self.isolation, self.interpreter = max_obs_tokens, isolation, interpreter
     self.max_concurrent = max_concurrent or 2 * (os.cpu_count() or 1)
     self._slots = threading.BoundedSemaphore(self.max_concurrent)

@@ -396,8 +396,11 @@ def make_env(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Env:
     where = "config.tokenizer" if "tokenizer" in config else "the char tokenizer"
     raise ConfigError(f"{where} has {tokenizer.vocab_size} ids, the model "
                       f"(config.model.vocab_size) only {cfg.vocab_size}")
+  kwargs = config.env.kwargs.to_dict()
+  if "sandbox" in config.env:  # optional: the sandboxed tool's settings (python_tool)
+    kwargs["sandbox"] = config.env.sandbox.to_dict()
   try:
-    return envs.make(config.env.name, tokenizer=tokenizer, **config.env.kwargs.to_dict())
+    return envs.make(config.env.name, tokenizer=tokenizer, **kwargs)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.env ({config.env.name}): {e}") from None
 
