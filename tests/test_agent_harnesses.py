@@ -1,0 +1,230 @@
+"""Third-party agent harnesses, unchanged, against the OpenAI-compatible endpoint
+(rljax.serving): `verifiers` (a ToolEnv with a tool and a rubric, rolling out through its
+OpenAI chat-completions client), the OpenAI Agents SDK (`openai-agents`: a function tool,
+several turns) and `smolagents` (its ToolCallingAgent through its OpenAI model). Each is
+configured only through its public API (base_url, api_key, model name, tools, headers);
+each episode is named by the endpoint's `X-Episode-Id` header or a per-episode base_url.
+
+The model is tiny and random: it answers garbage, so no test expects a meaningful tool
+call. What is checked: every harness runs its real loop against the server (its requests
+carry the tools), the calls are recorded as episodes whose tokens the trainer's forward
+re-scores bitwise (deterministic numerics), the episodes become groups, and one GRPO
+update runs on all of them with mismatch_max_abs 0.0."""
+
+import asyncio
+
+import numpy as np
+import openai
+import pytest
+
+from test_openai_endpoint import TOOLS_TEMPLATE, _register, rescore_diff, served  # noqa: F401  pylint: disable=unused-import
+
+SHORT = "Use the tool."  # the context is 128 tokens: instructions stay short
+TOOL_NAME = "add"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tools_template(served):
+  """The checkpoint's chat template renders the request's tools (names only: the context
+  is 128 tokens) and the assistant's tool calls (this module's run: its own instance)."""
+  hf = served[0].env.tokenizer.hf
+  template, hf.chat_template = hf.chat_template, TOOLS_TEMPLATE
+  yield
+  hf.chat_template = template
+
+
+GROUPS = {}  # harness -> the group its test took from the endpoint (for the GRPO update)
+
+
+def _recorded_tools(endpoint, episode_id):
+  """The tools of the episode's first call (every later call must send the same)."""
+  with endpoint._lock:  # pylint: disable=protected-access
+    return endpoint._episodes[episode_id].tools  # pylint: disable=protected-access
+
+
+def _assert_tools_rendered(run, traj, names):
+  """The episode's first prompt is the template's render of the harness's tools."""
+  text = run.env.tokenizer.decode(traj.prompt_ids)
+  assert text.startswith("<|im_start|>system\n<tools>" + "".join(f"{n} " for n in names) +
+                         "</tools><|im_end|>"), text
+
+
+def _finish_group(run, endpoint, name, episodes, rewards):
+  """Finishes the episodes (their harness's rewards), takes their group, checks the
+  trainer re-scores every sampled token bitwise."""
+  names = [[c["function"]["name"] for c in _recorded_tools(endpoint, e)] for e in episodes]
+  trajs = [endpoint.finish(eid, reward=r) for eid, r in zip(episodes, rewards)]
+  for t, n in zip(trajs, names):
+    assert t.loss_mask.any()
+    _assert_tools_rendered(run, t, n)
+  assert rescore_diff(run, trajs) == 0.0
+  (group,) = [g for g in endpoint.take_groups(len(episodes)) if g.task.task_id == name]
+  assert [t.reward for t in group.trajectories] == list(rewards)
+  GROUPS[name] = group
+  return trajs
+
+
+# ---- verifiers -------------------------------------------------------------------------
+
+
+def test_verifiers_tool_env_rolls_out_through_the_endpoint(served):
+  import verifiers as vf  # pylint: disable=import-outside-toplevel
+  from datasets import Dataset  # pylint: disable=import-outside-toplevel
+  from verifiers.clients import OpenAIChatCompletionsClient  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+
+  def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+  def correct(completion, answer, **kwargs) -> float:
+    text = " ".join(str(m.get("content") or "") for m in completion if m["role"] == "assistant")
+    return float(answer in text)
+
+  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
+  env = vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=3,
+                   system_prompt=SHORT, rubric=vf.Rubric(funcs=[correct]))
+  inputs = env.get_eval_dataset(n=1).to_list()
+  episodes = [f"vf-{k}" for k in range(2)]
+
+  async def rollouts():
+    outs = []
+    for eid in episodes:
+      _register(endpoint, eid, "verifiers")
+      client = OpenAIChatCompletionsClient(openai.AsyncOpenAI(
+          api_key="unused", base_url=f"{endpoint.url}/episodes/{eid}/v1", max_retries=0))
+      outs.append(await env.run_rollout(dict(inputs[0]), client, "rljax",
+                                        {"max_tokens": 6, "temperature": 1.0}))
+    return outs
+
+  outs = asyncio.run(rollouts())
+  for eid, out in zip(episodes, outs):
+    assert out.get("error") is None, out.get("error")
+    assert [t["function"]["name"] for t in _recorded_tools(endpoint, eid)] == [TOOL_NAME]
+  _finish_group(run, endpoint, "verifiers", episodes,
+                [float(o["reward"]) for o in outs])
+
+
+
+# ---- the OpenAI Agents SDK ---------------------------------------------------------------
+
+
+def test_openai_agents_sdk_runs_several_turns_through_the_endpoint(served):
+  import agents  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+
+  @agents.function_tool
+  def add(a: int, b: int) -> int:
+    """Adds two integers."""
+    return a + b
+
+  def agent_for(eid):
+    client = openai.AsyncOpenAI(api_key="unused", base_url=f"{endpoint.url}/v1",
+                                default_headers={"X-Episode-Id": eid}, max_retries=0)
+    return agents.Agent(name="calc", instructions=SHORT, tools=[add],
+                        model=agents.OpenAIChatCompletionsModel("rljax", client),
+                        model_settings=agents.ModelSettings(max_tokens=6))
+
+  episodes = [f"agents-{k}" for k in range(2)]
+  config = agents.RunConfig(tracing_disabled=True)
+
+  async def episode(eid):
+    agent = agent_for(eid)
+    result = await agents.Runner.run(agent, "What is 12 + 34?", run_config=config, max_turns=4)
+    for follow_up in ("And 7 * 8?", "Thanks."):  # more turns: the conversation goes on
+      result = await agents.Runner.run(
+          agent, result.to_input_list() + [{"role": "user", "content": follow_up}],
+          run_config=config, max_turns=4)
+    return result
+
+  results = []
+  for eid in episodes:
+    _register(endpoint, eid, "openai-agents")
+    results.append(asyncio.run(episode(eid)))
+  for eid in episodes:
+    assert [t["function"]["name"] for t in _recorded_tools(endpoint, eid)] == [TOOL_NAME]
+    assert endpoint.episode(eid).turns >= 3
+  _finish_group(run, endpoint, "openai-agents", episodes,
+                [float("46" in str(r.final_output)) for r in results])
+
+
+# ---- smolagents ---------------------------------------------------------------------------
+
+
+def test_smolagents_tool_calling_agent_runs_through_the_endpoint(served):
+  import importlib.resources  # pylint: disable=import-outside-toplevel
+  import smolagents  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+
+  @smolagents.tool
+  def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+  templates = yaml.safe_load(importlib.resources.files("smolagents.prompts").joinpath(
+      "toolcalling_agent.yaml").read_text())
+  templates["system_prompt"] = SHORT
+  # its final-answer call resends the memory under the same system message: the episode
+  # goes on (a different one would be a history_mismatch: a branch is a new episode)
+  templates["final_answer"] = {"pre_messages": SHORT, "post_messages": "Answer: {{task}}"}
+
+  def model(eid, **kwargs):
+    return smolagents.OpenAIServerModel(
+        "rljax", api_base=f"{endpoint.url}/episodes/{eid}/v1", api_key="unused",
+        client_kwargs={"max_retries": 0}, max_tokens=6, **kwargs)
+
+  # smolagents asks for tool_choice="required" by default: a forced call is not the
+  # policy's own sample, so the server refuses it by name (never silently ignored)
+  _register(endpoint, "smol-forced", "smol-forced")
+  agent = smolagents.ToolCallingAgent(tools=[add], model=model("smol-forced"), max_steps=1,
+                                      prompt_templates=templates, verbosity_level=0)
+  with pytest.raises(smolagents.utils.AgentGenerationError, match="tool_choice=required"):
+    agent.run("What is 12 + 34?")
+  assert endpoint.episode("smol-forced").turns == 0
+  endpoint.drop("smol-forced")
+
+  episodes = [f"smol-{k}" for k in range(2)]
+  answers = []
+  for eid in episodes:
+    _register(endpoint, eid, "smolagents")
+    agent = smolagents.ToolCallingAgent(tools=[add], model=model(eid, tool_choice="auto"),
+                                        max_steps=1, prompt_templates=templates,
+                                        verbosity_level=0)
+    answers.append(agent.run("What is 12 + 34?"))
+  for eid, answer in zip(episodes, answers):
+    # the tools it sent: ours and its own final_answer
+    assert [t["function"]["name"] for t in _recorded_tools(endpoint, eid)] == [
+        TOOL_NAME, "final_answer"]
+    assert endpoint.episode(eid).turns == 1  # its one step
+    # after max_steps without an answer it asks for one in a call without tools: a
+    # different prompt than the episode's (the template renders tools), refused as a
+    # branch, which smolagents returns as its answer
+    assert "history_mismatch" in str(answer)
+  _finish_group(run, endpoint, "smolagents", episodes,
+                [float("46" in str(a)) for a in answers])
+
+
+def test_the_harnesses_episodes_train_in_one_grpo_update(served):
+  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import wire  # pylint: disable=import-outside-toplevel
+  run, _ = served
+  assert sorted(GROUPS) == ["openai-agents", "smolagents", "verifiers"]
+  # one batch of the three harnesses' groups (the fixture's run updates on two groups)
+  run.config.rl.prompts_per_step = len(GROUPS)
+  decoded = [wire.group_from_arrays(wire.group_to_arrays(g.trajectories), g.request_id)
+             for g in GROUPS.values()]
+  metrics = core.train_on_groups(run, core.grpo_learner(run), decoded)
+  sampled = sum(int(t.loss_mask.sum()) for g in decoded for t in g)
+  assert metrics["mismatch_tokens"] == sampled and metrics["mismatch_max_abs"] == 0.0
+  assert np.isfinite(float(metrics["loss"])) and run.version == 1
