@@ -19,12 +19,13 @@ import uuid
 
 import pytest
 
-from rljax.envs import sandbox
+from rljax.envs import sandbox, sandbox_landlock
 from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_isolation
 
 ISOLATION = sandbox_isolation()
 MODES = ["namespaces", "audit_hook"] if ISOLATION.mode == "namespaces" else ["audit_hook"]
 ROOT = os.geteuid() == 0
+LANDLOCK = sandbox_landlock.abi_version() > 0
 
 
 def reachable_by_others(path: str) -> bool:
@@ -382,9 +383,9 @@ def test_unprivileged_host_uses_a_user_namespace():
 def _unprivileged_host(copy_dir):
   source = os.path.join(copy_dir, "sandbox_copy.py")  # readable by nobody wherever the repo is
   shutil.copy(sandbox.__file__, source)
-  seccomp_file = os.path.join(os.path.dirname(sandbox.__file__), "sandbox_seccomp.py")
-  shutil.copy(seccomp_file, os.path.join(copy_dir, "sandbox_seccomp.py"))
-  os.chmod(os.path.join(copy_dir, "sandbox_seccomp.py"), 0o644)
+  for sibling in ("sandbox_seccomp.py", "sandbox_landlock.py"):  # loaded by path
+    shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), sibling), copy_dir)
+    os.chmod(os.path.join(copy_dir, sibling), 0o644)
   os.chmod(copy_dir, 0o755)
   os.chmod(source, 0o644)
   nobody_before = tasks_of(65534)
@@ -451,6 +452,8 @@ attempt("victim-proc", lambda: open(f"/proc/{{VICTIM}}/environ", "rb").read())
 for i, path in enumerate(SECRETS):
   attempt(f"read-{{i}}", lambda: open(path).read())
 attempt("write-host-tmp", lambda: open(os.path.join(HOST_TMP, "planted.txt"), "w").write("x"))
+attempt("write-dirfd-tmp", lambda: os.open("planted-dirfd.txt", os.O_CREAT | os.O_WRONLY,
+                                          dir_fd=os.open(HOST_TMP, os.O_RDONLY)))
 attempt("write-stdlib", lambda: open(os.path.join(os.path.dirname(os.__file__), "planted_rljax.py"), "w").write("x"))
 try:
   import ctypes
@@ -576,14 +579,19 @@ def test_no_escape_from_inside(mode, host):
   assert host["victim"].poll() is None, report  # alive
   denied = [k for k in report if k not in ("threads", "disk_mib")]
   expected = {"unix-path-0", "unix-dgram-0", "unix-abstract", "kill", "pidfd", "victim-proc",
-              "read-0", "write-host-tmp", "write-stdlib"}
+              "read-0", "write-host-tmp", "write-dirfd-tmp", "write-stdlib"}
   if mode == "namespaces":
     expected |= {"tgkill", "tkill", "ptrace", "io_uring", "unshare-user", "read-1"}
   assert expected <= set(report), report
+  # audit_hook: world-readable host files stay readable; without Landlock, so do
+  # dir_fd-relative writes to world-writable host directories (documented)
+  open_here = {"read-1"} | (set() if LANDLOCK else {"write-dirfd-tmp"})
   leaked = {k: report[k] for k in denied
-            if not report[k].startswith("refused") and not (mode == "audit_hook" and k == "read-1")}
-  assert leaked == {}, report  # audit_hook: world-readable host files stay readable
-  assert not os.path.exists(os.path.join(host["tmp"], "planted.txt"))
+            if not report[k].startswith("refused") and not (mode == "audit_hook" and k in open_here)}
+  assert leaked == {}, report
+  for planted in ("planted.txt", "planted-dirfd.txt"):
+    if mode == "namespaces" or LANDLOCK or planted == "planted.txt":
+      assert not os.path.exists(os.path.join(host["tmp"], planted))
   assert not os.path.exists(os.path.join(os.path.dirname(os.__file__), "planted_rljax.py"))
   # the thread limit holds (RLIMIT_NPROC of a uid of its own: the main thread counts)
   assert int(report["threads"]) < 8, report

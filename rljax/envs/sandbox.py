@@ -68,6 +68,10 @@ io_uring, ptrace, process_vm_*, pidfd_open/getfd/send_signal, new namespaces or 
 audit_hook mode also no socket() of any family and no kill/tgkill/rt_sig*queueinfo to a
 pid but the program's own (its group, supervisor, -1 included), no tkill. Without
 libseccomp the run is an infra_error (so the probe reports namespaces unavailable).
+Both modes also restrict P2 by Landlock where the kernel has it (`sandbox_landlock.py`):
+write-kind access (write, truncate, create, remove, rename, link) only beneath the
+working directory (and /dev/null), however the path is reached (dir_fd, symlinks); with
+ABI >= 6 signals and abstract unix sockets scoped to the program's own processes.
   "namespaces"  new mount, network, pid, IPC and UTS namespaces (root: directly, with the
                 unique uid above; otherwise inside a new user namespace that maps only
                 the host user's own uid, whose capabilities are gone at the exec).
@@ -108,10 +112,12 @@ libseccomp the run is an infra_error (so the probe reports namespaces unavailabl
                 spawn, system, subprocess, _posixsubprocess), ctypes, gc's object walks,
                 and signals to other processes. PEP 578 hooks are not a security
                 boundary: this stops ordinary code, not a determined adversary; what
-                holds against one is the uid and seccomp. Not contained: writes to
-                world-writable host directories (/tmp, /dev/shm) through a dir_fd-
-                relative open, reads of world-readable host files and of /proc (no pid
-                namespace), disk use (RLIMIT_FSIZE per file, no quota). A non-root
+                holds against one is the uid, seccomp and Landlock (writes outside the
+                working directory, dir_fd-relative ones included, fail with EACCES;
+                on a kernel without Landlock such writes to world-writable host
+                directories (/tmp, /dev/shm) are not contained). Not contained: reads
+                of world-readable host files and of /proc (no pid namespace), disk
+                use (RLIMIT_FSIZE per file, no quota). A non-root
                 host runs the program as the host's user (RLIMIT_NPROC: that user's
                 task count now plus max_processes), seccomp keeping its signals to
                 itself.
@@ -763,7 +769,7 @@ def _tasks_of(uid: int) -> int:
 
 
 def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
-                  drop: bool, ns: bool, seccomp) -> None:
+                  drop: bool, ns: bool, guards: dict) -> None:
   """P2: limits, identity, then the program's interpreter. Never returns."""
   import resource  # pylint: disable=import-outside-toplevel
   try:
@@ -797,7 +803,8 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
       raise OSError(f"the interpreter {sys.executable} is not reachable by the program's "
                     f"unprivileged uid {uid} (audit_hook mode cannot hide the directories "
                     "above it: use a Python other users may run)")
-    seccomp.install(config["mode"], os.getpid())  # last: execve stays allowed
+    guards["landlock"].restrict(work)  # writes only beneath work
+    guards["seccomp"].install(config["mode"], os.getpid())  # last: execve stays allowed
     os.execve(sys.executable, [sys.executable, "-I", "-S", "-u", "-c", bootstrap,
                                config["mode"], work, "1"], env)
   except BaseException as e:  # pylint: disable=broad-except
@@ -806,7 +813,7 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
 
 
 def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, drop: bool,
-               ns: bool, seccomp) -> None:
+               ns: bool, guards: dict) -> None:
   """P1 (the pid namespace's init with namespaces): mounts, then the program; reports
   its wait status and rusage. Never returns."""
   try:
@@ -824,7 +831,7 @@ def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, dr
     _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(1)  # pylint: disable=protected-access
   if program == 0:
-    _exec_program(libc, config, status_fd, uid, gid, drop, ns, seccomp)
+    _exec_program(libc, config, status_fd, uid, gid, drop, ns, guards)
   _quiet_stdio()
   while True:  # reaps orphans too (in a pid namespace they come to its init)
     try:
@@ -838,11 +845,11 @@ def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, dr
   os._exit(0)  # pylint: disable=protected-access
 
 
-def _load_seccomp():
-  """sandbox_seccomp.py, beside this file (the launcher runs with -I -S: no sys.path)."""
+def _load_sibling(name: str):
+  """rljax/envs/<name>.py, beside this file (the launcher runs with -I -S: no sys.path)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_seccomp.py")
-  spec = importlib.util.spec_from_file_location("rljax_sandbox_seccomp", path)
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"rljax_{name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -854,8 +861,9 @@ def _launch(config: dict) -> None:
   os.set_inheritable(status_fd, False)  # the program's exec closes it
   try:
     libc = _Libc()
-    seccomp = _load_seccomp()
-    seccomp._library()  # pylint: disable=protected-access  (libseccomp missing: setup_error)
+    # loaded now: the mounts may hide this directory from P2
+    guards = {name: _load_sibling(f"sandbox_{name}") for name in ("seccomp", "landlock")}
+    guards["seccomp"]._library()  # pylint: disable=protected-access  (missing: setup_error)
     ns, root = config["mode"] == "namespaces", os.geteuid() == 0
     drop = root  # never root: a uid of its own (see the module docstring)
     uid, gid = ((_UID_BASE + os.getpid(),) * 2 if drop else (os.getuid(), os.getgid()))
@@ -871,7 +879,7 @@ def _launch(config: dict) -> None:
     _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(1)  # pylint: disable=protected-access
   if supervisor == 0:
-    _supervise(libc, config, status_fd, uid, gid, drop, ns, seccomp)
+    _supervise(libc, config, status_fd, uid, gid, drop, ns, guards)
   _quiet_stdio()
   os.waitpid(supervisor, 0)
   os._exit(0)  # pylint: disable=protected-access

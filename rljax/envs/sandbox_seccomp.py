@@ -57,12 +57,23 @@ class _Arg(ctypes.Structure):
               ("datum_b", ctypes.c_uint64)]
 
 
+_LIB: list[ctypes.CDLL] = []  # loaded once (the launcher's forks inherit it)
+
+
 def _library() -> ctypes.CDLL:
-  name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-  try:
-    lib = ctypes.CDLL(name, use_errno=True)
-  except OSError as e:
-    raise OSError(f"libseccomp is unavailable ({name}: {e}); the sandbox needs it") from None
+  if _LIB:
+    return _LIB[0]
+  try:  # the soname first: find_library runs ldconfig in a subprocess
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+  except OSError:
+    name = ctypes.util.find_library("seccomp")
+    try:
+      lib = ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+      lib = None
+    if lib is None:
+      raise OSError("libseccomp (libseccomp.so.2) is unavailable; the sandbox needs it "
+                    "(apt-get install libseccomp2)") from None
   lib.seccomp_init.restype = ctypes.c_void_p
   lib.seccomp_init.argtypes = [ctypes.c_uint32]
   lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
@@ -70,6 +81,7 @@ def _library() -> ctypes.CDLL:
                                          ctypes.c_uint, ctypes.POINTER(_Arg)]
   lib.seccomp_load.argtypes = [ctypes.c_void_p]
   lib.seccomp_release.argtypes = [ctypes.c_void_p]
+  _LIB.append(lib)
   return lib
 
 
