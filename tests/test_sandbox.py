@@ -697,6 +697,9 @@ attempt("process_vm_readv", lambda: syscall(310, victim, 0, 0, 0, 0, 0))
 attempt("io_uring", lambda: syscall(425, 8, ctypes.create_string_buffer(120)))
 attempt("unshare-user", lambda: syscall(272, 0x10000000))
 attempt("clone3", lambda: syscall(435, 0, 0))
+attempt("f_setown", lambda: __import__("fcntl").fcntl(os.pipe()[0], 8, victim))
+attempt("fiosetown", lambda: __import__("fcntl").ioctl(socket.socketpair()[0], 0x8901,
+                                                       ctypes.c_int(victim)))
 attempt("thread", lambda: __import__("threading").Thread(target=print).start())
 print(__import__("json").dumps(out))
 """
@@ -716,7 +719,7 @@ def test_seccomp_filter_refuses_what_no_hook_sees(mode, host):
   out = json.loads(child.stdout)
   eperm, enosys = 1, 38
   refused = ["socket-unix", "pidfd", "ptrace", "process_vm_readv", "io_uring",
-             "unshare-user"]
+             "unshare-user", "f_setown", "fiosetown"]
   if mode == "audit_hook":
     refused += ["kill-victim", "kill-group", "kill-all", "kill-parent", "tgkill", "tkill",
                 "rt_sigqueueinfo"]

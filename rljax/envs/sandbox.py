@@ -64,7 +64,8 @@ refuses (infra_error "refused: ...") and the fallback runs only when a caller na
 Both modes load a seccomp filter into P2 before its exec (`sandbox_seccomp.py`,
 libseccomp through ctypes; inherited by every process and thread the program starts):
 no AF_UNIX socket() (host unix sockets by path or abstract name; socketpair stays), no
-io_uring, ptrace, process_vm_*, pidfd_open/getfd/send_signal, new namespaces or mounts;
+io_uring, ptrace, process_vm_*, pidfd_open/getfd/send_signal, F_SETOWN (SIGIO to a
+pid of its choosing), new namespaces or mounts;
 audit_hook mode also no socket() of any family and no kill/tgkill/rt_sig*queueinfo to a
 pid but the program's own (its group, supervisor, -1 included), no tkill. Without
 libseccomp the run is an infra_error (so the probe reports namespaces unavailable).

@@ -19,6 +19,8 @@ Refused with EPERM in both isolation modes (default: allow):
   ptrace, process_vm_readv/writev, pidfd_open, pidfd_getfd, pidfd_send_signal, kcmp
                         reaching into or signalling other processes (within a pid
                         namespace only its own, but no program needs them)
+  fcntl F_SETOWN / F_SETOWN_EX, ioctl FIOSETOWN / SIOCSPGRP
+                        SIGIO / SIGURG delivered to a pid the program names
   unshare, setns, clone with CLONE_NEWUSER, clone3 (ENOSYS: glibc then uses clone),
   mount, umount2, pivot_root, chroot, bpf, perf_event_open, userfaultfd, keyctl,
   add_key, request_key, open_by_handle_at, name_to_handle_at, personality
@@ -45,6 +47,8 @@ DENIED = ("io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace",
           "pidfd_send_signal", "kcmp", "unshare", "setns", "mount", "umount2", "pivot_root",
           "chroot", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key",
           "request_key", "open_by_handle_at", "name_to_handle_at", "personality")
+F_SETOWN = (8, 15)  # F_SETOWN, F_SETOWN_EX
+SETOWN_IOCTLS = (0x8901, 0x8902)  # FIOSETOWN, SIOCSPGRP
 SIGNALS_TO_SELF_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 
 
@@ -108,6 +112,9 @@ def install(mode: str, pid: int) -> None:
       rule(name, eperm)
     rule("clone3", _errno(errno.ENOSYS))
     rule("clone", eperm, (0, _CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
+    for name, commands in (("fcntl", F_SETOWN), ("ioctl", SETOWN_IOCTLS)):
+      for command in commands:  # SIGIO / SIGURG to a process of its choosing
+        rule(name, eperm, (1, _CMP_EQ, command, 0))
     if mode == "namespaces":
       rule("socket", eperm, (0, _CMP_EQ, AF_UNIX, 0))
     else:
