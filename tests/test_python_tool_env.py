@@ -309,3 +309,18 @@ def test_a_run_the_program_ended_is_its_failure(isolation):
     assert step.error is None and not step.done, (name, step)
     assert step.info == {"tool_calls": 1, "tool_errors": 1}, (name, obs_text(step))
   assert env.stats["infra_errors"] == 0
+
+
+def test_the_config_names_the_fallback_in_env_sandbox(monkeypatch):
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from configs import python_tool_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import run  # pylint: disable=import-outside-toplevel
+  fallback = sandbox.Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
+                               "host_uid", reason="no namespaces here")
+  monkeypatch.setattr(python_tool, "sandbox_isolation", lambda interpreter=None: fallback)
+  config = python_tool_tiny.get_config()
+  cfg = type("Cfg", (), {"vocab_size": 1 << 16})()
+  with pytest.raises(run.ConfigError, match="env.sandbox.isolation"):
+    run.make_env(config, cfg)  # refused: no namespaces, nothing named
+  config.env.sandbox = ml_collections.ConfigDict(dict(isolation="audit_hook"))
+  assert run.make_env(config, cfg).isolation == "audit_hook"
