@@ -303,23 +303,35 @@ def _kill_uid(uid: int) -> None:
   """SIGKILLs every process of uid (a program's own uid: audit-hook mode as root), by
   kill(-1) from a process of that uid, until none is left."""
   for _ in range(10):
-    subprocess.run(["kill", "-KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
-                   env={"PATH": _PATH})
-    if not _live_tasks_of(uid):
+    live = _live_tasks_of(uid)
+    if not live:
       return
+    try:
+      subprocess.run(["kill", "-KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                     env={"PATH": _PATH}, timeout=5)
+    except (OSError, subprocess.SubprocessError):  # no kill(1): one pid at a time
+      for pid in live:
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except OSError:
+          pass
 
 
-def _live_tasks_of(uid: int) -> bool:
+def _live_tasks_of(uid: int) -> list[int]:
+  """The pids of uid's processes that are not zombies."""
+  pids = []
   for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
     try:
       with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
         fields = dict(line.split(":", 1) for line in f if ":" in line)
       if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-        return True
+        pids.append(int(pid))
     except (OSError, ValueError, KeyError):
       continue
-  return False
+  return pids
 
 
 def _kill_group(pgid: int) -> None:
