@@ -9,7 +9,11 @@ The model is tiny and random: it answers garbage, so no test expects a meaningfu
 call. What is checked: every harness runs its real loop against the server (its requests
 carry the tools), the calls are recorded as episodes whose tokens the trainer's forward
 re-scores bitwise (deterministic numerics), the episodes become groups, and one GRPO
-update runs on all of them with mismatch_max_abs 0.0."""
+update runs on all of them with mismatch_max_abs 0.0. The tool-result path is driven with
+the test's tool parser that reads a call out of every reply: verifiers and the Agents SDK
+run the tool and send the call and its result back as the server sent them (the next turn
+appends the rendered result); smolagents sends a called reply back as text, which the
+server refuses (history_mismatch)."""
 
 import asyncio
 
@@ -213,6 +217,99 @@ def test_smolagents_tool_calling_agent_runs_through_the_endpoint(served):
     assert "history_mismatch" in str(answer)
   _finish_group(run, endpoint, "smolagents", episodes,
                 [float("46" in str(a)) for a in answers])
+
+
+# ---- the tool-call round trip ------------------------------------------------------------
+
+
+@pytest.fixture
+def every_reply_calls_add(served):
+  """The server's tool parser reads add(12, 34) out of every reply (the test's parser: the
+  random model's tokens are garbage, so the harnesses' tool-result path needs it)."""
+  from rljax.serving.tools import load_tool_parser  # pylint: disable=import-outside-toplevel
+  endpoint = served[1]
+  parser, endpoint.tool_parser = endpoint.tool_parser, load_tool_parser(
+      "test_openai_endpoint:always_calls")
+  yield
+  endpoint.tool_parser = parser
+
+
+def _assert_tool_round_trip(run, endpoint, eid, tool_turns):
+  """The episode's turns after the first each appended the harness's tool result (46):
+  the assistant's call and the tool message came back as the server sent them."""
+  assert endpoint.episode(eid).turns == tool_turns + 1
+  traj = endpoint.finish(eid, reward=0.0)
+  text = run.env.tokenizer.decode(traj.completion_ids[~traj.loss_mask])
+  assert text.count("<tool_response>\n46\n</tool_response>") == tool_turns, text
+  assert rescore_diff(run, [traj]) == 0.0
+
+
+def test_harnesses_run_their_tools_and_send_the_results_back(served, every_reply_calls_add):
+  import agents  # pylint: disable=import-outside-toplevel
+  import verifiers as vf  # pylint: disable=import-outside-toplevel
+  from datasets import Dataset  # pylint: disable=import-outside-toplevel
+  from verifiers.clients import OpenAIChatCompletionsClient  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+  ran = []
+
+  def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    ran.append((a, b))
+    return a + b
+
+  # verifiers: every reply a call, so the ToolEnv runs the tool until max_turns
+  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
+  env = vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=2,
+                   system_prompt=SHORT, rubric=vf.Rubric(funcs=[lambda **kw: 0.0]))
+  _register(endpoint, "vf-tools")
+  client = OpenAIChatCompletionsClient(openai.AsyncOpenAI(
+      api_key="unused", base_url=f"{endpoint.url}/episodes/vf-tools/v1", max_retries=0))
+  out = asyncio.run(env.run_rollout(env.get_eval_dataset(n=1).to_list()[0], client, "rljax",
+                                    {"max_tokens": 4}))
+  assert out.get("error") is None, out.get("error")
+  _assert_tool_round_trip(run, endpoint, "vf-tools", tool_turns=1)  # 2 turns: 128 tokens
+  assert ran == [(12, 34)]  # the last turn's call is not run: max_turns ended the rollout
+
+  # the Agents SDK: the function tool runs and its result goes back as the next turn
+  _register(endpoint, "agents-tools")
+  agent = agents.Agent(
+      name="calc", instructions=SHORT, tools=[agents.function_tool(add)],
+      model=agents.OpenAIChatCompletionsModel("rljax", openai.AsyncOpenAI(
+          api_key="unused", base_url=f"{endpoint.url}/v1",
+          default_headers={"X-Episode-Id": "agents-tools"}, max_retries=0)),
+      model_settings=agents.ModelSettings(max_tokens=4))
+  with pytest.raises(agents.exceptions.MaxTurnsExceeded):  # every reply calls the tool
+    asyncio.run(agents.Runner.run(agent, "What is 12 + 34?", max_turns=2,
+                                  run_config=agents.RunConfig(tracing_disabled=True)))
+  _assert_tool_round_trip(run, endpoint, "agents-tools", tool_turns=1)
+  assert ran == [(12, 34)] * 3  # the SDK ran both turns' calls, then hit max_turns
+
+  # smolagents: its ToolCallingAgent runs the tool, but sends the call back as the text
+  # "Calling tools:\n[{...}]" (an assistant message without tool_calls) and the result as a
+  # user "Observation:" message: not the reply the model sampled, so the next call is a
+  # history_mismatch, never a silent re-tokenization (the episode keeps its first turn)
+  import importlib.resources  # pylint: disable=import-outside-toplevel
+  import smolagents  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+  templates = yaml.safe_load(importlib.resources.files("smolagents.prompts").joinpath(
+      "toolcalling_agent.yaml").read_text())
+  templates["system_prompt"] = SHORT
+  _register(endpoint, "smol-tools")
+  agent = smolagents.ToolCallingAgent(
+      tools=[smolagents.tool(add)], prompt_templates=templates, verbosity_level=0, max_steps=2,
+      model=smolagents.OpenAIServerModel(
+          "rljax", api_base=f"{endpoint.url}/episodes/smol-tools/v1", api_key="unused",
+          client_kwargs={"max_retries": 0}, max_tokens=4, tool_choice="auto"))
+  with pytest.raises(smolagents.utils.AgentGenerationError,
+                     match=r"history_mismatch: messages\[2\] \(assistant\)"):
+    agent.run("What is 12 + 34?")
+  assert ran == [(12, 34)] * 4
+  _assert_tool_round_trip(run, endpoint, "smol-tools", tool_turns=0)
 
 
 def test_the_harnesses_episodes_train_in_one_grpo_update(served):
