@@ -160,6 +160,8 @@ def test_openai_agents_sdk_runs_several_turns_through_the_endpoint(served):
 # ---- smolagents ---------------------------------------------------------------------------
 
 
+# smolagents warns about any function defined in a test (a closure) that it wraps as a tool
+@pytest.mark.filterwarnings("ignore:Function 'add' has decorators other than @tool")
 def test_smolagents_tool_calling_agent_runs_through_the_endpoint(served):
   import importlib.resources  # pylint: disable=import-outside-toplevel
   import smolagents  # pylint: disable=import-outside-toplevel
@@ -244,6 +246,7 @@ def _assert_tool_round_trip(run, endpoint, eid, tool_turns):
   assert rescore_diff(run, [traj]) == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:Function 'add' has decorators other than @tool")
 def test_harnesses_run_their_tools_and_send_the_results_back(served, every_reply_calls_add):
   import agents  # pylint: disable=import-outside-toplevel
   import verifiers as vf  # pylint: disable=import-outside-toplevel
