@@ -20,7 +20,7 @@ What the observation says (one line; past `max_obs_tokens` tokens it is cut and 
   error        "error: " + the last line of its stderr (the exception, e.g.
                "NameError: name 'x' is not defined"), or the sandbox's detail
                ("exit code 3", "killed by SIGSEGV") when stderr is empty
-  timeout, cpu_limit, memory_limit, output_limit
+  timeout, cpu_limit, memory_limit, output_limit, disk_limit
                the status and the sandbox's detail ("timeout: killed after 2 s of wall
                time", "cpu limit: killed after 1 s of CPU time")
 A program's failure is an observation (the model's problem, `tool_errors` counts it). A

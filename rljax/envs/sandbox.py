@@ -54,7 +54,11 @@ Limits (rlimits of P2, inherited by whatever it starts; all enforced by the kern
                  root, a user namespace counts the program's processes apart from the
                  host user's.
   RLIMIT_NOFILE  max_open_files;  RLIMIT_CORE 0 (no core dumps)
-  disk           namespaces only: the working directory is a tmpfs of disk_bytes
+  disk           namespaces: the working directory is a tmpfs of disk_bytes (ENOSPC past
+                 it). audit_hook: RLIMIT_FSIZE is at most disk_bytes, and the host
+                 measures the working directory every 50 ms: past disk_bytes of
+                 allocated blocks or 4096 entries it kills the run (status
+                 "disk_limit"), so it may overshoot by what the program writes in 50 ms
 
 Isolation, chosen once per interpreter by `sandbox_isolation()` (a probe run: the
 namespace setup either works or is reported as unavailable, with the reason). It fails
@@ -117,8 +121,8 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 working directory, dir_fd-relative ones included, fail with EACCES;
                 on a kernel without Landlock such writes to world-writable host
                 directories (/tmp, /dev/shm) are not contained). Not contained: reads
-                of world-readable host files and of /proc (no pid namespace), disk
-                use (RLIMIT_FSIZE per file, no quota). A non-root
+                of world-readable host files and of /proc (no pid namespace); disk use
+                only by the host's polling (above). A non-root
                 host runs the program as the host's user (RLIMIT_NPROC: that user's
                 task count now plus max_processes), seccomp keeping its signals to
                 itself.
@@ -145,7 +149,7 @@ import tempfile
 import time
 
 KiB, MiB = 1024, 1024 * 1024
-STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit",
+STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "disk_limit",
             "infra_error")
 ISOLATIONS = ("auto", "namespaces", "audit_hook")
 TRUNCATED = "\n[... output cut at {n} bytes]"
@@ -364,7 +368,10 @@ def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, mode: s
     return _infra(f"could not start the interpreter {interpreter!r}: {e}",
                   time.monotonic() - start, mode)
   try:
-    out, err, status, killed_for = _communicate(proc, status_r, stdin.encode(), limits, start)
+    # audit_hook mode has no tmpfs of disk_bytes: the host measures the directory instead
+    disk = (lambda: _disk_use(work, limits.disk_bytes)) if mode == "audit_hook" else None
+    out, err, status, killed_for = _communicate(proc, status_r, stdin.encode(), limits, start,
+                                                disk)
   finally:
     # whatever is left of the group goes; the launcher is reaped only now, so until here
     # its pid (the group's id, and the program's uid's offset) cannot name anything else
@@ -384,8 +391,35 @@ def _exited(pid: int) -> bool:
     return True
 
 
+_DISK_POLL_S = 0.05
+_MAX_ENTRIES = 4096  # audit_hook mode: files and directories the program may create
+
+
+def _disk_use(root: str, cap: int) -> bool:
+  """Whether the tree at root passed cap bytes (allocated blocks) or _MAX_ENTRIES entries;
+  stops counting as soon as it did."""
+  used, entries, stack = 0, 0, [root]
+  while stack:
+    try:
+      with os.scandir(stack.pop()) as it:
+        for entry in it:
+          entries += 1
+          try:
+            st = entry.stat(follow_symlinks=False)
+          except OSError:
+            continue
+          used += st.st_blocks * 512
+          if entry.is_dir(follow_symlinks=False):
+            stack.append(entry.path)
+          if used > cap or entries > _MAX_ENTRIES:
+            return True
+    except OSError:
+      continue
+  return False
+
+
 def _communicate(proc: subprocess.Popen, status_fd: int, stdin: bytes, limits: SandboxLimits,
-                 start: float) -> tuple[bytes, bytes, bytes, str | None]:
+                 start: float, disk_over=None) -> tuple[bytes, bytes, bytes, str | None]:
   """Feeds stdin and reads stdout, stderr and the status pipe until all three close;
   kills the process group at the wall deadline or when an output stream passes its cap.
   Returns (stdout head, stderr head, status bytes, None | "timeout" | "output_limit"); a
@@ -395,6 +429,7 @@ def _communicate(proc: subprocess.Popen, status_fd: int, stdin: bytes, limits: S
   caps = {out_fd: limits.output_bytes + 1, err_fd: limits.output_bytes + 1,
           status_fd: 64 * KiB}
   killed_for, stop_at, launcher_done = None, start + limits.wall_s, False
+  next_disk = 0.0
   sel = selectors.DefaultSelector()
   try:
     for fd in bufs:
@@ -417,7 +452,18 @@ def _communicate(proc: subprocess.Popen, status_fd: int, stdin: bytes, limits: S
         _kill_group(proc.pid)
         stop_at = time.monotonic() + _KILL_GRACE_S
         continue
-      for key, _ in sel.select(min(timeout, 0.25)):
+      if disk_over is not None and killed_for is None and time.monotonic() >= next_disk:
+        next_disk = time.monotonic() + _DISK_POLL_S
+        over = disk_over()
+      else:
+        over = False
+      if over:
+        killed_for = "disk_limit"
+        _kill_group(proc.pid)
+        stop_at = time.monotonic() + _KILL_GRACE_S
+        continue
+      poll = _DISK_POLL_S if disk_over is not None and killed_for is None else 0.25
+      for key, _ in sel.select(min(timeout, poll)):
         fd = key.fd
         if fd == in_fd:
           try:
@@ -488,6 +534,9 @@ def _result(out: bytes, err: bytes, status_bytes: bytes, killed_for: str | None,
     which = "stdout" if len(out) > limits.output_bytes else "stderr"
     return result("output_limit", None, signal.SIGKILL,
                   f"killed: {which} passed {limits.output_bytes} bytes")
+  if killed_for == "disk_limit":
+    return result("disk_limit", None, signal.SIGKILL,
+                  f"killed: its files passed {limits.disk_bytes} bytes or {_MAX_ENTRIES} entries")
   if killed_for == "timeout" and "started" not in reports:
     return _infra(f"the sandbox did not start the program within {limits.wall_s:g} s",
                   wall_s, mode, stdout, stderr)
@@ -794,7 +843,8 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
     cpu = math.ceil(limits["cpu_s"])
     for which, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
                          (resource.RLIMIT_AS, limits["memory_bytes"]),
-                         (resource.RLIMIT_FSIZE, limits["max_file_bytes"]),
+                         (resource.RLIMIT_FSIZE, min(limits["max_file_bytes"],
+                                                     limits["disk_bytes"])),
                          (resource.RLIMIT_NPROC, nproc),
                          (resource.RLIMIT_NOFILE, limits["max_open_files"]),
                          (resource.RLIMIT_CORE, 0)):
