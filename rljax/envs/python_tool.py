@@ -84,11 +84,11 @@ DEFAULT_LIMITS = dict(cpu_s=1.0, wall_s=3.0, memory_bytes=256 * 1024 * 1024,
 _SPACE = re.compile(r"\s+")
 AUDIT_HOOK_WARNING = (
     "python_tool runs model-written code in the audit_hook fallback (chosen by name): no "
-    "namespaces, so it does not contain reads of host files other users may read, writes "
-    "to world-writable host directories through descriptors (dir_fd), disk use (no quota: "
-    "RLIMIT_FSIZE per file only) or what the audit hook cannot see; it does contain "
-    "sockets, signals to other processes (seccomp) and root (the program runs as a uid "
-    "of its own)")
+    "namespaces, so it does not contain reads of host files other users may read or of "
+    "the host's /proc (no pid namespace), writes outside its directory on a kernel "
+    "without Landlock, disk use between the host's 50 ms polls, or a setsid() leftover "
+    "of a non-root host; it does contain sockets and signals to other processes "
+    "(seccomp), root (the program runs as a uid of its own) and the process limit")
 
 
 def program_of(task: Task) -> str:
