@@ -703,6 +703,8 @@ attempt("clone3", lambda: syscall(435, 0, 0))
 attempt("f_setown", lambda: __import__("fcntl").fcntl(os.pipe()[0], 8, victim))
 attempt("fiosetown", lambda: __import__("fcntl").ioctl(socket.socketpair()[0], 0x8901,
                                                        ctypes.c_int(victim)))
+attempt("shmget", lambda: syscall(29, 0, 4096, 0o1666))  # IPC_PRIVATE, IPC_CREAT | 0666
+attempt("msgget", lambda: syscall(68, 0, 0o1666))
 attempt("thread", lambda: __import__("threading").Thread(target=print).start())
 print(__import__("json").dumps(out))
 """
@@ -722,7 +724,7 @@ def test_seccomp_filter_refuses_what_no_hook_sees(mode, host):
   out = json.loads(child.stdout)
   eperm, enosys = 1, 38
   refused = ["socket-unix", "pidfd", "ptrace", "process_vm_readv", "io_uring",
-             "unshare-user", "f_setown", "fiosetown"]
+             "unshare-user", "f_setown", "fiosetown", "shmget", "msgget"]
   if mode == "audit_hook":
     refused += ["kill-victim", "kill-group", "kill-all", "kill-parent", "tgkill", "tkill",
                 "rt_sigqueueinfo"]

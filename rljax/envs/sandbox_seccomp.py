@@ -26,6 +26,9 @@ Refused with EPERM in both isolation modes (default: allow):
   add_key, request_key, open_by_handle_at, name_to_handle_at, personality
                         kernel attack surface: new namespaces (capabilities in a new user
                         namespace), handles that bypass paths, kernel keys
+  shmget, semget, msgget, mq_open
+                        System V and POSIX IPC objects outlive the program: without an IPC
+                        namespace (audit_hook mode) the next episode could find them
 Audit-hook mode only (no pid namespace: the host's processes share the pid space):
   kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo to any pid but the program's own (so
   no signal to its process group (0, -pgid), its supervisor or -1), tkill entirely.
@@ -46,7 +49,8 @@ DENIED = ("io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace",
           "process_vm_readv", "process_vm_writev", "pidfd_open", "pidfd_getfd",
           "pidfd_send_signal", "kcmp", "unshare", "setns", "mount", "umount2", "pivot_root",
           "chroot", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key",
-          "request_key", "open_by_handle_at", "name_to_handle_at", "personality")
+          "request_key", "open_by_handle_at", "name_to_handle_at", "personality",
+          "shmget", "semget", "msgget", "mq_open")
 F_SETOWN = (8, 15)  # F_SETOWN, F_SETOWN_EX
 SETOWN_IOCTLS = (0x8901, 0x8902)  # FIOSETOWN, SIOCSPGRP
 SIGNALS_TO_SELF_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
