@@ -25,7 +25,8 @@ a script, stdlib only) in a session and process group of its own, with a minimal
 environment (PATH, LANG, HOME = TMPDIR = the working directory) and only stdin, stdout,
 stderr and a status pipe open. That launcher (P0) sets up the isolation, forks a
 supervisor (P1) that forks the program (P2); P2 sets its rlimits, drops its privileges,
-sets no_new_privs and a parent-death SIGKILL, then execs a fresh `python -I -S -u` (no
+sets no_new_privs, a parent-death SIGKILL, its Landlock ruleset and seccomp filter
+(below), then execs a fresh `python -I -S -u` (no
 site, no user site, no PYTHON* variables, no script directory on sys.path) that runs
 `main.py` from the working directory (`exit` / `quit` are sys.exit; tracebacks start at
 main.py). P1 reaps P2 and reports its wait status and rusage on the status pipe, so
@@ -44,7 +45,7 @@ Limits (rlimits of P2, inherited by whatever it starts; all enforced by the kern
                  (status "memory_limit") instead of the host running short; it counts
                  reserved, not touched, memory, so the limit is generous. It is per
                  process: the total is bounded by max_processes x memory_bytes.
-  RLIMIT_FSIZE   max_file_bytes per file (a write past it fails with EFBIG)
+  RLIMIT_FSIZE   min(max_file_bytes, disk_bytes) per file (a write past it: EFBIG)
   RLIMIT_NPROC   max_processes (Linux counts threads too). It is per user, and not
                  enforced at all for root, so the program never runs as root (either
                  mode; P2 refuses to exec as uid 0): on a root host it gets a uid of its
@@ -69,8 +70,8 @@ Both modes load a seccomp filter into P2 before its exec (`sandbox_seccomp.py`,
 libseccomp through ctypes; inherited by every process and thread the program starts):
 no AF_UNIX socket() (host unix sockets by path or abstract name; socketpair stays), no
 io_uring, ptrace, process_vm_*, pidfd_open/getfd/send_signal, F_SETOWN (SIGIO to a
-pid of its choosing), new namespaces or mounts;
-audit_hook mode also no socket() of any family and no kill/tgkill/rt_sig*queueinfo to a
+pid of its choosing), System V / POSIX IPC objects (they outlive the program), new
+namespaces or mounts; audit_hook mode also no socket() of any family and no kill/tgkill/rt_sig*queueinfo to a
 pid but the program's own (its group, supervisor, -1 included), no tkill. Without
 libseccomp the run is an infra_error (so the probe reports namespaces unavailable).
 Both modes also restrict P2 by Landlock where the kernel has it (`sandbox_landlock.py`):
@@ -129,7 +130,8 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
 `run_python(..., isolation=...)` forces either mode (the tests run both).
 
 Reading stays allowed wherever the program's uid may read (the stdlib, say): the sandbox
-hides no host files except those overlays. /dev/shm is read-only too, so
+hides no host files except those overlays and (namespaces) the host's temp directory
+(where world-readable files of the host stay readable in audit_hook mode). /dev/shm is read-only too, so
 multiprocessing's semaphores are unavailable; /dev/null and friends work.
 """
 
