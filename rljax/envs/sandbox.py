@@ -59,7 +59,9 @@ Limits (rlimits of P2, inherited by whatever it starts; all enforced by the kern
                  it). audit_hook: RLIMIT_FSIZE is at most disk_bytes, and the host
                  measures the working directory every 50 ms: past disk_bytes of
                  allocated blocks or 4096 entries it kills the run (status
-                 "disk_limit"), so it may overshoot by what the program writes in 50 ms
+                 "disk_limit"), and measures it once more at the end (a run over it
+                 then is "disk_limit" too); the host's disk may hold, for a moment, what
+                 the program writes in 50 ms beyond it
 
 Isolation, chosen once per interpreter by `sandbox_isolation()` (a probe run: the
 namespace setup either works or is reported as unavailable, with the reason). It fails
@@ -374,6 +376,8 @@ def _run(code: str, limits: SandboxLimits, stdin: str, interpreter: str, mode: s
     disk = (lambda: _disk_use(work, limits.disk_bytes)) if mode == "audit_hook" else None
     out, err, status, killed_for = _communicate(proc, status_r, stdin.encode(), limits, start,
                                                 disk)
+    if disk is not None and killed_for is None and disk():
+      killed_for = "disk_limit"  # over it at the end: written between two polls
   finally:
     # whatever is left of the group goes; the launcher is reaped only now, so until here
     # its pid (the group's id, and the program's uid's offset) cannot name anything else
