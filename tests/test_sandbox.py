@@ -539,11 +539,13 @@ def host():
   watcher.start()
   victim = subprocess.Popen(["sleep", "600"], env={"SECRET": "host-environ"})
   secret_dir = tempfile.mkdtemp(prefix="rljax-test-secret-")  # 0700, the host's
-  secrets = [os.path.join(secret_dir, "secret.txt"), os.path.join(tmp, "readable.txt")]
+  secrets = [os.path.join(secret_dir, "secret.txt")] + [
+      os.path.join(d, "readable.txt") for d in dirs]  # world-readable, host tmp and shm
   for p in secrets:
     with open(p, "w", encoding="ascii") as f:
       f.write("host secret")
-  os.chmod(secrets[1], 0o644)  # world-readable, in the host's temp directory
+  for p in secrets[1:]:
+    os.chmod(p, 0o644)
   try:
     yield dict(victim=victim, paths=paths, abstract=abstract, secrets=secrets, tmp=tmp,
                received=received)
@@ -586,7 +588,7 @@ def test_no_escape_from_inside(mode, host):
   assert expected <= set(report), report
   # audit_hook: world-readable host files stay readable; without Landlock, so do
   # dir_fd-relative writes to world-writable host directories (documented)
-  open_here = {"read-1"} | (set() if LANDLOCK else {"write-dirfd-tmp"})
+  open_here = {"read-1", "read-2"} | (set() if LANDLOCK else {"write-dirfd-tmp"})
   leaked = {k: report[k] for k in denied
             if not report[k].startswith("refused") and not (mode == "audit_hook" and k in open_here)}
   assert leaked == {}, report

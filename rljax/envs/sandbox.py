@@ -97,7 +97,9 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 (the host's temp directory: other episodes' working directories, host
                 files and sockets there) is covered first by an empty read-only tmpfs
                 (unless the interpreter lives under it), so episodes see no one else's
-                files and nothing persists to the next. /proc is mounted anew for the pid
+                files and nothing persists to the next; so are /dev/shm, /var/tmp,
+                /run, /home, /mnt, /media and /srv (each unless the interpreter lives
+                there). /proc is mounted anew for the pid
                 namespace (the program is pid 2 and sees only its own processes). As root
                 with the unique uid, directories on the interpreter's path that other
                 users cannot enter (a pyenv under /root, say) are overlaid by a
@@ -133,7 +135,7 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
 
 Reading stays allowed wherever the program's uid may read (the stdlib, say): the sandbox
 hides no host files except those overlays and (namespaces) the host's temp directory
-(where world-readable files of the host stay readable in audit_hook mode). /dev/shm is read-only too, so
+and the places above (where world-readable files of the host stay readable in audit_hook mode). /dev/shm is read-only too, so
 multiprocessing's semaphores are unavailable; /dev/null and friends work.
 """
 
@@ -680,6 +682,8 @@ _MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
                 "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME,
                 "nosymfollow": 256}  # a remount keeps what it may not clear in a user ns
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+# namespaces: covered by an empty tmpfs (besides the working directory's parent)
+_HIDDEN_DIRS = ("/dev/shm", "/var/tmp", "/run", "/home", "/mnt", "/media", "/srv")
 
 
 class _Libc:
@@ -794,9 +798,18 @@ def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
   with open(main, "rb") as f:
     source = f.read()
   # the host's temp directory (other episodes' working directories, host sockets and
-  # files there) is hidden under an empty tmpfs, unless the interpreter lives in it
+  # files there) and the host's other shared and per-user places are hidden under empty
+  # tmpfs, each unless the interpreter lives in it
+  def holds_interpreter(d):
+    return any(t == d or t.startswith(d + "/") for t in targets)
+
   parent = os.path.dirname(work)
-  if parent != "/" and not any(t == parent or t.startswith(parent + "/") for t in targets):
+  for d in _HIDDEN_DIRS:
+    if (os.path.isdir(d) and not os.path.islink(d) and not holds_interpreter(d)
+        and not work.startswith(d + "/")):
+      libc.mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                 "mode=0755,size=64k")
+  if parent != "/" and not holds_interpreter(parent):
     libc.mount("tmpfs", parent, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                "mode=0755,size=64k")
     os.mkdir(work, 0o700)
