@@ -383,7 +383,7 @@ def test_unprivileged_host_uses_a_user_namespace():
 def _unprivileged_host(copy_dir):
   source = os.path.join(copy_dir, "sandbox_copy.py")  # readable by nobody wherever the repo is
   shutil.copy(sandbox.__file__, source)
-  for sibling in ("sandbox_seccomp.py", "sandbox_landlock.py"):  # loaded by path
+  for sibling in ("sandbox_launcher.py", "sandbox_seccomp.py", "sandbox_landlock.py"):
     shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), sibling), copy_dir)
     os.chmod(os.path.join(copy_dir, sibling), 0o644)
   os.chmod(copy_dir, 0o755)

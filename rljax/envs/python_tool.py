@@ -38,7 +38,7 @@ can neither close its observation nor end the episode.
 
 Each tool call starts a sandbox: two interpreter starts (launcher and program) and the
 namespace setup, ~120 ms of CPU on a 2-core machine (measured; ~100 ms of it the
-launcher, which imports sandbox.py as a script), ~60 ms of wall per call in a batch of 64.
+launcher, which runs sandbox_launcher.py as a script), ~60 ms of wall per call in a batch of 64.
 The rollout runs the env steps of every sample that ended a turn in the same engine step
 concurrently (`rljax.pipeline.rollout`), and this env bounds how many sandboxes run at
 once (`max_concurrent`, default 2 x CPU count): more only queue on the CPUs, and the

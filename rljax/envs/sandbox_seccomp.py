@@ -4,8 +4,8 @@
 rlimits and uid change, before it execs the program's interpreter); every process and
 thread the program starts inherits it, and nothing can remove it. It is built with
 libseccomp (`libseccomp.so.2`, the library behind systemd's and Docker's filters) through
-ctypes: stdlib only, so the launcher (`python -I -S sandbox.py`, no site-packages) can
-load this file by path. libseccomp resolves the syscall numbers of the machine's own
+ctypes: stdlib only, so the launcher (`python -I -S sandbox_launcher.py`, no
+site-packages) can load this file by path. libseccomp resolves the syscall numbers of the machine's own
 architecture; a call from another ABI (x86's int 0x80, x32) kills the process, so
 32-bit `socketcall` cannot go around the rules.
 
