@@ -5,7 +5,6 @@ configs/python_tool_tiny.py's pipeline."""
 
 import json
 import logging
-import os
 import pathlib
 import subprocess
 import sys
@@ -297,13 +296,7 @@ SELF_INFLICTED = {
 def test_a_run_the_program_ended_is_its_failure(isolation):
   if isolation == "namespaces" and sandbox.sandbox_isolation().mode != "namespaces":
     pytest.skip(f"namespaces unavailable: {sandbox.sandbox_isolation().reason}")
-  interpreter = None
-  if isolation == "audit_hook" and os.geteuid() == 0:
-    interpreter = "/usr/bin/python3"  # one an unprivileged uid can run (not under /root)
-    if not os.path.exists(interpreter):
-      pytest.skip("no interpreter an unprivileged uid may run")
-  env = envs.PythonToolEnv(sandbox={"isolation": isolation}, interpreter=interpreter,
-                           limits=dict(wall_s=5.0))
+  env = envs.PythonToolEnv(sandbox={"isolation": isolation}, limits=dict(wall_s=5.0))
   for name, code in SELF_INFLICTED.items():
     step = env._answer_call(code)  # pylint: disable=protected-access
     assert step.error is None and not step.done, (name, step)

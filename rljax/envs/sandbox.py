@@ -113,8 +113,10 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 own uid's) or write root's (the stdlib); RLIMIT_NPROC holds; and after
                 the run every process of that uid is SIGKILLed (kill -1 as that uid),
                 so a setsid() leftover dies too. Its interpreter must be one that other
-                users may run (a Python under /root is not: the run is an infra_error
-                naming it). A `sys.addaudithook` hook, installed
+                users may run: where the given one is not (a Python under /root), the
+                system's python of the same version (/usr/bin, /usr/local/bin) runs the
+                program, and without one the run is an infra_error naming it. A
+                `sys.addaudithook` hook, installed
                 by the bootstrap before the program's first line (a hook cannot be
                 removed), refuses: sockets other than AF_UNIX, AF_UNIX addresses outside
                 the working directory, name lookups; opening for writing, creating,

@@ -284,6 +284,21 @@ def _tasks_of(uid: int) -> int:
   return count
 
 
+def _program_interpreter(uid: int) -> str:
+  """The launcher's interpreter where the program's uid may run it (namespaces make it
+  reachable); else (audit_hook as root, a Python under /root, say) the system's Python
+  of the same version, which the program's bootstrap (stdlib only) runs as well."""
+  if os.access(sys.executable, os.X_OK):
+    return sys.executable
+  version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+  for candidate in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+    if os.access(candidate, os.X_OK):
+      return candidate
+  raise OSError(f"the interpreter {sys.executable} is not reachable by the program's "
+                f"unprivileged uid {uid}, nor is a system python{version} (audit_hook mode "
+                "cannot hide the directories above it: use a Python other users may run)")
+
+
 def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
                   drop: bool, ns: bool, guards: dict) -> None:
   """P2: limits, identity, then the program's interpreter. Never returns."""
@@ -316,14 +331,11 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
            "TMPDIR": work}
     bootstrap = f"exec(compile({_BOOTSTRAP!r}, '<sandbox>', 'exec'))"
     # never root, so RLIMIT_NPROC holds: the program may fork
-    if not os.access(sys.executable, os.X_OK):
-      raise OSError(f"the interpreter {sys.executable} is not reachable by the program's "
-                    f"unprivileged uid {uid} (audit_hook mode cannot hide the directories "
-                    "above it: use a Python other users may run)")
+    python = _program_interpreter(uid)
     guards["landlock"].restrict(work)  # writes only beneath work
     guards["seccomp"].install(config["mode"], os.getpid())  # last: execve stays allowed
-    os.execve(sys.executable, [sys.executable, "-I", "-S", "-u", "-c", bootstrap,
-                               config["mode"], work, "1"], env)
+    os.execve(python, [python, "-I", "-S", "-u", "-c", bootstrap, config["mode"], work, "1"],
+              env)
   except BaseException as e:  # pylint: disable=broad-except
     _report(status_fd, setup_error=f"starting the program: {type(e).__name__}: {e}")
   os._exit(127)  # pylint: disable=protected-access
