@@ -215,6 +215,25 @@ def _expose(libc: _Libc, targets: set[str], uid: int, gid: int) -> None:
       parent = child
 
 
+def _hide(libc: _Libc, directory: str, targets: set[str]) -> None:
+  """An empty tmpfs over `directory`, with each of its entries on the way to a target
+  bound back from the original (read-only with every other mount later)."""
+  keep = sorted({t[len(directory) + 1:].split("/")[0] for t in targets
+                 if t.startswith(directory + "/")})
+  original = os.open(directory, os.O_PATH | os.O_DIRECTORY) if keep else None
+  libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+             "mode=0755,size=64k")
+  for name in keep:
+    source, child = f"/proc/self/fd/{original}/{name}", os.path.join(directory, name)
+    if os.path.isdir(source):
+      os.mkdir(child, 0o755)
+    else:
+      os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
+    libc.mount(source, child, None, _MS_BIND | _MS_REC)
+  if original is not None:
+    os.close(original)
+
+
 def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
                    disk_bytes: int) -> None:
   """In the new mount namespace: a fresh /proc, the interpreter made reachable, a tmpfs
@@ -234,19 +253,15 @@ def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
     source = f.read()
   # the host's temp directory (other episodes' working directories, host sockets and
   # files there) and the host's other shared and per-user places are hidden under empty
-  # tmpfs, each unless the interpreter lives in it
-  def holds_interpreter(d):
-    return any(t == d or t.startswith(d + "/") for t in targets)
-
+  # tmpfs; where the interpreter lives in one (a checkout under /tmp), only the entry on
+  # its way is bound back
   parent = os.path.dirname(work)
   for d in _HIDDEN_DIRS:
-    if (os.path.isdir(d) and not os.path.islink(d) and not holds_interpreter(d)
+    if (os.path.isdir(d) and not os.path.islink(d) and d not in targets
         and not work.startswith(d + "/")):
-      libc.mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-                 "mode=0755,size=64k")
-  if parent != "/" and not holds_interpreter(parent):
-    libc.mount("tmpfs", parent, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-               "mode=0755,size=64k")
+      _hide(libc, d, targets)
+  if parent != "/" and parent not in targets:
+    _hide(libc, parent, targets)
     os.mkdir(work, 0o700)
   libc.mount("tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
              f"size={disk_bytes},mode=0700,uid={uid},gid={gid}")
