@@ -191,6 +191,17 @@ def _traversable(path: str, uid: int, gid: int) -> bool:
   return bool(st.st_mode & bit)
 
 
+def _bind_back(libc: _Libc, original: int, directory: str, name: str) -> None:
+  """directory/name, on a tmpfs laid over `directory`, bound to the original entry
+  (`original`: an O_PATH descriptor of the directory taken before the overlay)."""
+  source, child = f"/proc/self/fd/{original}/{name}", os.path.join(directory, name)
+  if os.path.isdir(source):
+    os.mkdir(child, 0o755)
+  else:
+    os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
+  libc.mount(source, child, None, _MS_BIND | _MS_REC)
+
+
 def _expose(libc: _Libc, targets: set[str], uid: int, gid: int) -> None:
   """Makes each target path reachable for uid: a directory on the way that uid cannot
   enter is overlaid by a tmpfs holding only mount points of the children on the way,
@@ -201,12 +212,7 @@ def _expose(libc: _Libc, targets: set[str], uid: int, gid: int) -> None:
     for name in [p for p in target.split("/") if p]:
       child = os.path.join(parent, name)
       if parent in originals and not os.path.lexists(child):
-        source = f"/proc/self/fd/{originals[parent]}/{name}"
-        if os.path.isdir(source):
-          os.mkdir(child, 0o755)
-        else:
-          os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
-        libc.mount(source, child, None, _MS_BIND | _MS_REC)
+        _bind_back(libc, originals[parent], parent, name)
       if not os.path.isdir(child):
         break
       if not _traversable(child, uid, gid):
@@ -224,12 +230,7 @@ def _hide(libc: _Libc, directory: str, targets: set[str]) -> None:
   libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
              "mode=0755,size=64k")
   for name in keep:
-    source, child = f"/proc/self/fd/{original}/{name}", os.path.join(directory, name)
-    if os.path.isdir(source):
-      os.mkdir(child, 0o755)
-    else:
-      os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
-    libc.mount(source, child, None, _MS_BIND | _MS_REC)
+    _bind_back(libc, original, directory, name)
   if original is not None:
     os.close(original)
 
