@@ -4,6 +4,7 @@ Engines share one page pool (`POOL`, 65 pages of 16) and row length (128) unless
 is about them, so their programs differ only in the slot count and compile once per run
 (the persistent compile cache shares them across files too)."""
 
+import dataclasses
 import functools
 
 import chex
@@ -45,8 +46,10 @@ def _trainer_view(params, cfg, trajs, numerics=DET, temperature=1.0):
   """Trainer-side log-probs of each trajectory's completion tokens and its routing. The
   rows are padded to a power of two (rows are independent: batch invariance), so calls
   with other trajectory counts share one compiled forward."""
-  rows = len(pack([t.tokens for t in trajs], 128, cfg.page_size).tokens)
-  p = pack([t.tokens for t in trajs], 128, cfg.page_size, num_rows=1 << (rows - 1).bit_length())
+  p = pack([t.tokens for t in trajs], 128, cfg.page_size)
+  extra = ((0, (1 << (len(p.tokens) - 1).bit_length()) - len(p.tokens)), (0, 0))
+  p = dataclasses.replace(p, tokens=np.pad(p.tokens, extra), positions=np.pad(p.positions, extra),
+                          segment_ids=np.pad(p.segment_ids, extra))  # what pack pads with
   targets = np.concatenate([p.tokens[:, 1:], np.zeros_like(p.tokens[:, :1])], axis=1)
   logprobs, routing = _packed_forward(params, p.tokens, p.positions, p.segment_ids, targets,
                                       cfg=cfg, numerics=numerics, temperature=temperature)
