@@ -365,7 +365,8 @@ def test_unprivileged_host_uses_a_user_namespace():
 def _unprivileged_host(copy_dir):
   source = os.path.join(copy_dir, "sandbox_copy.py")  # readable by nobody wherever the repo is
   shutil.copy(sandbox.__file__, source)
-  for sibling in ("sandbox_launcher.py", "sandbox_seccomp.py", "sandbox_landlock.py"):
+  for sibling in ("sandbox_launcher.py", "sandbox_seccomp.py", "sandbox_landlock.py",
+                  "sandbox_root.py"):
     shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), sibling), copy_dir)
     os.chmod(os.path.join(copy_dir, sibling), 0o644)
   os.chmod(copy_dir, 0o755)
@@ -738,3 +739,130 @@ def test_fallback_disk_use_is_bounded():
   # file's 4 MiB (and a block of metadata) first; the program's failure either way
   assert r.status in ("error", "disk_limit") and r.infra_error is None, r
   assert r.status == "disk_limit" or "File too large" in r.stderr, r
+
+
+# ------------------------------------------------------------------ the minimal root (namespaces)
+
+ROOT_PROBE = r"""
+import json, os, socket, sys
+PATHS, SKIP = {paths!r}, {skip!r}
+out = {{}}
+def look(name, fn):
+  try:
+    out[name] = ["seen", repr(fn())[:120]]
+  except OSError as e:
+    out[name] = ["refused", e.errno]
+for name, path in PATHS.items():
+  look("stat:" + name, lambda: os.stat(path).st_mode)
+  look("read:" + name, lambda: open(path, "rb").read(64))
+  look("dotdot:" + name, lambda: open("../" * 12 + path.lstrip("/"), "rb").read(64))
+  for via in ("/proc/self/root", "/proc/1/root", "/proc/self/cwd/../..", "/dev/fd/../root"):
+    look(via + ":" + name, lambda: open(via + path, "rb").read(64))
+  look("dirfd:" + name, lambda: os.open(path.lstrip("/"), os.O_RDONLY,
+                                        dir_fd=os.open("/", os.O_RDONLY | os.O_DIRECTORY)))
+  os.symlink(path, "link-" + str(len(out)))
+  look("symlink:" + name, lambda: open("link-" + str(len(out) - 1), "rb").read(64))
+files = []  # every file outside the stdlib, /proc, /dev and the working directory
+for top, dirs, names in os.walk("/"):
+  dirs[:] = [d for d in dirs if os.path.join(top, d) not in SKIP]
+  files += [os.path.join(top, n) for n in names]
+here = os.path.dirname(os.path.realpath(sys.executable))
+print(json.dumps({{"top": sorted(os.listdir("/")), "out": out, "files": sorted(files),
+                  "bin": sorted(os.listdir(here)),
+                  "site": sorted(os.listdir(os.path.join(os.path.dirname(os.__file__),
+                                                         "site-packages"))),
+                  "cwd": os.getcwd()}}))
+"""
+
+
+@pytest.fixture
+def host_files(tmp_path):
+  """World-readable host files the program must not see: in the repository (a planted one
+  and its datasets), in a 0755 directory under /var/lib and /opt, /etc's, the venv's and
+  the base interpreter's site-packages, this process through /proc."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  planted, made = [], []
+  fd, repo_file = tempfile.mkstemp(prefix=".rljax-root-probe-", dir=os.path.dirname(__file__))
+  os.write(fd, b"answer: 42")
+  os.close(fd)
+  planted.append(repo_file)
+  paths = {"repo-file": repo_file, "repo-root": os.path.join(repo, "README.md"),
+           "dataset": os.path.join(repo, "examples", "gsm_tiny", "train.jsonl"),
+           "etc-passwd": "/etc/passwd", "etc-hostname": "/etc/hostname",
+           "host-proc": f"/proc/{os.getpid()}/environ",
+           "host-proc-root": f"/proc/{os.getpid()}/root{repo_file}",
+           "site-packages": os.path.dirname(pytest.__file__),
+           "venv-cfg": os.path.join(sys.prefix, "pyvenv.cfg"),
+           "pytest-tmp": str(tmp_path / "secret.txt")}
+  (tmp_path / "secret.txt").write_text("host secret")
+  for parent in ("/var/lib", "/opt"):
+    if os.path.isdir(parent) and os.access(parent, os.W_OK):
+      d = tempfile.mkdtemp(prefix="rljax-root-probe-", dir=parent)
+      os.chmod(d, 0o755)
+      with open(os.path.join(d, "readable.txt"), "w", encoding="ascii") as f:
+        f.write("host secret")
+      made.append(d)
+      paths[parent] = os.path.join(d, "readable.txt")
+  for p in planted + [v for k, v in paths.items() if k in ("/var/lib", "/opt", "pytest-tmp")]:
+    os.chmod(p, 0o644)
+  try:
+    yield paths
+  finally:
+    for p in planted:
+      os.remove(p)
+    for d in made:
+      shutil.rmtree(d)
+
+
+def test_minimal_root_shows_only_what_the_program_needs(host_files):
+  """namespaces: the program's / holds the interpreter, its stdlib and shared libraries,
+  /dev's few devices, its /proc and its working directory; every host file that the
+  host's other users could read is absent however it is named."""
+  if ISOLATION.mode != "namespaces":
+    pytest.skip("needs namespaces")
+  exe = os.path.realpath(sys.executable)
+  stdlib = os.path.dirname(os.path.realpath(os.__file__))
+  skip = ["/proc", "/dev", stdlib, os.path.realpath(tempfile.gettempdir())]
+  code = ROOT_PROBE.format(paths=host_files, skip=skip)
+  r = run(code)
+  assert r.status == "ok", r
+  seen = json.loads(r.stdout)
+  # every path, every route: ENOENT (the host's /proc is not this pid namespace's);
+  # /proc/1/root (the supervisor's root, the same minimal one): EACCES where it is root's
+  leaked = {k: v for k, v in seen["out"].items()
+            if v != ["refused", 2] and not (k.startswith("/proc/1/") and v == ["refused", 13])}
+  assert leaked == {}, leaked
+  tops = {p.split("/")[1] for p in (exe, stdlib, tempfile.gettempdir())}
+  assert set(seen["top"]) <= tops | {"dev", "proc", "usr", "lib", "lib64", "lib32", "libx32"}
+  assert not {"work", "home", "etc", "opt", "var", "srv", "mnt", "media", "run", "sys",
+              "boot", "root"} - tops & set(seen["top"]), seen["top"]
+  # the files outside the stdlib: the interpreter, shared libraries, the C.UTF-8 locale
+  others = [p for p in seen["files"] if p != exe and ".so" not in os.path.basename(p)
+            and not p.startswith("/usr/lib/locale/C.utf8/")]
+  assert others == [], others
+  assert seen["bin"] == [os.path.basename(exe)], seen["bin"]  # nothing beside it
+  assert seen["site"] == []  # the base interpreter's site-packages: covered, empty
+
+
+def test_minimal_root_runs_the_stdlib():
+  if ISOLATION.mode != "namespaces":
+    pytest.skip("needs namespaces")
+  code = ("import datetime, decimal, hashlib, json, math, re, sqlite3, subprocess, sys, zlib\n"
+          "import threading, tempfile, os\n"
+          "print(json.dumps({'pi': round(math.pi, 3)}), re.sub('a+', 'b', 'caat'))\n"
+          "print(decimal.Decimal(1) / 4, datetime.date(2024, 2, 29).isoformat())\n"
+          "print(hashlib.sha256(b'x').hexdigest()[:8], len(zlib.compress(b'x' * 99)) < 99)\n"
+          "print(sqlite3.connect(':memory:').execute('select 6 * 7').fetchone()[0])\n"
+          "print(os.path.basename(tempfile.mkstemp()[1])[:3], 'é')\n"
+          "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+          "for argv in (['ls', '/'], ['/bin/sh', '-c', 'cat /etc/passwd']):\n"
+          "  try:\n"
+          "    subprocess.run(argv)\n"
+          "  except OSError as e:\n"
+          "    print(type(e).__name__)\n"
+          "print(open('/dev/urandom', 'rb').read(4).__len__(), open('/dev/null', 'w').write('x'))\n")
+  r = run(code)
+  assert r.status == "ok", r
+  assert r.stdout.splitlines() == [
+      '{"pi": 3.142} cbt', "0.25 2024-02-29", "2d711642 True", "42", "tmp é", "thread",
+      "FileNotFoundError", "FileNotFoundError", "4 1"], r

@@ -1,10 +1,11 @@
 """The sandbox's inside: launcher (P0), supervisor (P1) and program (P2) of `run_python`.
 
 `rljax/envs/sandbox.py` (the host side) runs this file as a script,
-`python -I -S sandbox_launcher.py --launch CONFIG`: stdlib only, no sys.path; its two
-guard modules (`sandbox_seccomp.py`, `sandbox_landlock.py`) are loaded by path before the
-mounts. What each process does, the isolation and the reports on the status pipe are
-described in sandbox.py's module docstring; CONFIG is the JSON `sandbox._run` writes
+`python -I -S sandbox_launcher.py --launch CONFIG`: stdlib only, no sys.path; its guard
+modules (`sandbox_seccomp.py`, `sandbox_landlock.py`, and `sandbox_root.py`: the minimal
+root of namespaces mode) are loaded by path before the mounts. What each process does,
+the isolation and the reports on the status pipe are described in sandbox.py's module
+docstring; CONFIG is the JSON `sandbox._run` writes
 (mode, work, limits, status_fd, uid_base). The launcher's PATH is the host's minimal one.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import signal
 import sys
 
@@ -109,16 +111,7 @@ _main(*sys.argv[1:4])
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
-_MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
-_MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
-                "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
-                "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME,
-                "nosymfollow": 256}  # a remount keeps what it may not clear in a user ns
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-# namespaces: covered by an empty tmpfs (besides the working directory's parent)
-_HIDDEN_DIRS = ("/dev/shm", "/var/tmp", "/run", "/home", "/mnt", "/media", "/srv")
 
 
 class _Libc:
@@ -136,14 +129,6 @@ class _Libc:
 
   def unshare(self, flags: int) -> None:
     self._check(self._libc.unshare(flags), "unshare")
-
-  def mount(self, source: str | None, target: str, fstype: str | None, flags: int,
-            data: str | None = None) -> None:
-    def enc(s):
-      return None if s is None else s.encode()
-    rc = self._libc.mount(enc(source), enc(target), enc(fstype),
-                          self._ctypes.c_ulong(flags), enc(data))
-    self._check(rc, f"mount {target}")
 
   def prctl(self, option: int, value: int) -> None:
     self._check(self._libc.prctl(option, self._ctypes.c_ulong(value), 0, 0, 0), "prctl")
@@ -169,123 +154,6 @@ def _write_file(path: str, text: str) -> None:
     f.write(text)
 
 
-def _mounts() -> list[tuple[str, list[str]]]:
-  """(mount point, per-mount options) of every mount, from /proc/self/mountinfo."""
-  def unescape(s):
-    out, i = [], 0
-    while i < len(s):
-      if s[i] == "\\" and s[i + 1:i + 4].isdigit():
-        out.append(chr(int(s[i + 1:i + 4], 8)))
-        i += 4
-      else:
-        out.append(s[i])
-        i += 1
-    return "".join(out)
-  with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-    return [(unescape(line.split()[4]), line.split()[5].split(",")) for line in f]
-
-
-def _traversable(path: str, uid: int, gid: int) -> bool:
-  st = os.stat(path)
-  bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
-  return bool(st.st_mode & bit)
-
-
-def _bind_back(libc: _Libc, original: int, directory: str, name: str) -> None:
-  """directory/name, on a tmpfs laid over `directory`, bound to the original entry
-  (`original`: an O_PATH descriptor of the directory taken before the overlay)."""
-  source, child = f"/proc/self/fd/{original}/{name}", os.path.join(directory, name)
-  if os.path.isdir(source):
-    os.mkdir(child, 0o755)
-  else:
-    os.close(os.open(child, os.O_CREAT | os.O_WRONLY, 0o644))
-  libc.mount(source, child, None, _MS_BIND | _MS_REC)
-
-
-def _expose(libc: _Libc, targets: set[str], uid: int, gid: int) -> None:
-  """Makes each target path reachable for uid: a directory on the way that uid cannot
-  enter is overlaid by a tmpfs holding only mount points of the children on the way,
-  each bound to the original (made read-only with every other mount later)."""
-  originals: dict[str, int] = {}  # overlaid directory -> O_PATH descriptor of the original
-  for target in sorted(targets):
-    parent = "/"
-    for name in [p for p in target.split("/") if p]:
-      child = os.path.join(parent, name)
-      if parent in originals and not os.path.lexists(child):
-        _bind_back(libc, originals[parent], parent, name)
-      if not os.path.isdir(child):
-        break
-      if not _traversable(child, uid, gid):
-        originals[child] = os.open(child, os.O_PATH | os.O_DIRECTORY)
-        libc.mount("tmpfs", child, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
-      parent = child
-
-
-def _hide(libc: _Libc, directory: str, targets: set[str]) -> None:
-  """An empty tmpfs over `directory`, with each of its entries on the way to a target
-  bound back from the original (read-only with every other mount later)."""
-  keep = sorted({t[len(directory) + 1:].split("/")[0] for t in targets
-                 if t.startswith(directory + "/")})
-  original = os.open(directory, os.O_PATH | os.O_DIRECTORY) if keep else None
-  libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-             "mode=0755,size=64k")
-  for name in keep:
-    _bind_back(libc, original, directory, name)
-  if original is not None:
-    os.close(original)
-
-
-def _set_up_mounts(libc: _Libc, work: str, uid: int, gid: int, root: bool,
-                   disk_bytes: int) -> None:
-  """In the new mount namespace: a fresh /proc, the interpreter made reachable, a tmpfs
-  on the working directory, and every other mount read-only."""
-  libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-  try:  # best effort: without it /proc shows the host's processes (read-only)
-    libc.mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-  except OSError:
-    pass
-  targets = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix,
-                                           sys.exec_prefix, sys.base_exec_prefix)}
-  targets.add(os.path.dirname(os.path.abspath(sys.executable)))
-  if root:
-    _expose(libc, targets, uid, gid)
-  main = os.path.join(work, "main.py")
-  with open(main, "rb") as f:
-    source = f.read()
-  # the host's temp directory (other episodes' working directories, host sockets and
-  # files there) and the host's other shared and per-user places are hidden under empty
-  # tmpfs; where the interpreter lives in one (a checkout under /tmp), only the entry on
-  # its way is bound back
-  parent = os.path.dirname(work)
-  for d in _HIDDEN_DIRS:
-    if (os.path.isdir(d) and not os.path.islink(d) and d not in targets
-        and not work.startswith(d + "/")):
-      _hide(libc, d, targets)
-  if parent != "/" and parent not in targets:
-    _hide(libc, parent, targets)
-    os.mkdir(work, 0o700)
-  libc.mount("tmpfs", work, "tmpfs", _MS_NOSUID | _MS_NODEV,
-             f"size={disk_bytes},mode=0700,uid={uid},gid={gid}")
-  with open(main, "wb") as f:
-    f.write(source)
-  os.chown(main, uid, gid)
-  failed = []
-  for point, options in _mounts():
-    if point == work:
-      continue
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
-    for option in options:
-      flags |= _MOUNT_FLAGS.get(option, 0)
-    try:
-      libc.mount(None, point, None, flags)
-    except OSError as e:
-      # EACCES: a mount the program's uid cannot reach either; ENOENT: gone, or hidden
-      if e.errno not in (13, 2):
-        failed.append(f"{point}: {e.strerror}")
-  if failed:
-    raise OSError(f"could not make these mounts read-only: {'; '.join(failed)}")
-
-
 def _tasks_of(uid: int) -> int:
   """How many tasks (threads) the user runs now: RLIMIT_NPROC's count."""
   count = 0
@@ -301,9 +169,9 @@ def _tasks_of(uid: int) -> int:
 
 
 def _program_interpreter(uid: int) -> str:
-  """The launcher's interpreter where the program's uid may run it (namespaces make it
-  reachable); else (audit_hook as root, a Python under /root, say) the system's Python
-  of the same version, which the program's bootstrap (stdlib only) runs as well."""
+  """audit_hook: the launcher's interpreter where the program's uid may run it; else (as
+  root, a Python under /root, say) the system's Python of the same version, which the
+  program's bootstrap (stdlib only) runs as well. (namespaces: the minimal root's.)"""
   if os.access(sys.executable, os.X_OK):
     return sys.executable
   version = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -316,9 +184,9 @@ def _program_interpreter(uid: int) -> str:
 
 
 def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
-                  drop: bool, ns: bool, guards: dict) -> None:
-  """P2: limits, identity, then the program's interpreter. Never returns."""
-  import resource  # pylint: disable=import-outside-toplevel
+                  drop: bool, ns: bool, guards: dict, python: str | None) -> None:
+  """P2: limits, identity, then the program's interpreter (`python`: the minimal root's;
+  None: audit_hook's choice). Never returns."""
   try:
     limits = config["limits"]
     if drop or not ns:
@@ -347,7 +215,7 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
            "TMPDIR": work}
     bootstrap = f"exec(compile({_BOOTSTRAP!r}, '<sandbox>', 'exec'))"
     # never root, so RLIMIT_NPROC holds: the program may fork
-    python = _program_interpreter(uid)
+    python = python or _program_interpreter(uid)
     guards["landlock"].restrict(work)  # writes only beneath work
     guards["seccomp"].install(config["mode"], os.getpid())  # last: execve stays allowed
     os.execve(python, [python, "-I", "-S", "-u", "-c", bootstrap, config["mode"], work, "1"],
@@ -362,8 +230,9 @@ def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, dr
   """P1 (the pid namespace's init with namespaces): mounts, then the program; reports
   its wait status and rusage. Never returns."""
   try:
-    if ns:
-      _set_up_mounts(libc, config["work"], uid, gid, drop, config["limits"]["disk_bytes"])
+    python = None
+    if ns:  # the minimal root (sandbox_root.py): the program sees nothing else
+      python = guards["root"].enter(config["work"], uid, gid, config["limits"]["disk_bytes"])
     elif drop:  # audit_hook as root: the working directory becomes the program's uid's
       for path in (config["work"], os.path.join(config["work"], "main.py")):
         os.chown(path, uid, gid)
@@ -376,7 +245,7 @@ def _supervise(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int, dr
     _report(status_fd, setup_error=f"{type(e).__name__}: {e}")
     os._exit(1)  # pylint: disable=protected-access
   if program == 0:
-    _exec_program(libc, config, status_fd, uid, gid, drop, ns, guards)
+    _exec_program(libc, config, status_fd, uid, gid, drop, ns, guards, python)
   _quiet_stdio()
   while True:  # reaps orphans too (in a pid namespace they come to its init)
     try:
@@ -406,8 +275,8 @@ def _launch(config: dict) -> None:
   os.set_inheritable(status_fd, False)  # the program's exec closes it
   try:
     libc = _Libc()
-    # loaded now: the mounts may hide this directory from P2
-    guards = {name: _load_sibling(f"sandbox_{name}") for name in ("seccomp", "landlock")}
+    # loaded now: the minimal root leaves this directory out
+    guards = {name: _load_sibling(f"sandbox_{name}") for name in ("seccomp", "landlock", "root")}
     guards["seccomp"]._library()  # pylint: disable=protected-access  (missing: setup_error)
     ns, root = config["mode"] == "namespaces", os.geteuid() == 0
     drop = root  # never root: a uid of its own (see the module docstring)
