@@ -27,8 +27,9 @@ environment (PATH, LANG, HOME = TMPDIR = the working directory) and only stdin, 
 stderr and a status pipe open. That launcher (P0) sets up the isolation, forks a
 supervisor (P1) that forks the program (P2); P2 sets its rlimits, drops its privileges,
 sets no_new_privs, a parent-death SIGKILL, its Landlock ruleset and seccomp filter
-(below), then execs a fresh `python -I -S -u` (no
-site, no user site, no PYTHON* variables, no script directory on sys.path) that runs
+(below), then execs a fresh `python -I -S -u` (namespaces: the interpreter's real
+path, symlinks resolved; no site, no user site, no PYTHON* variables, no script
+directory on sys.path) that runs
 `main.py` from the working directory (`exit` / `quit` are sys.exit; tracebacks start at
 main.py). P1 reaps P2 and reports its wait status and rusage on the status pipe, so
 exit codes and signals are the program's own. At `wall_s`, or as soon as stdout or stderr
@@ -89,22 +90,39 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 and DNS lookups fail; abstract unix names are per network namespace.
                 Host unix sockets at file paths are not network endpoints (a read-only
                 mount does not stop connect()): seccomp refuses socket(AF_UNIX), and
-                the host's temp directory is hidden besides (below).
-                Files: every mount is remounted read-only (plus nosuid) in the private
-                mount namespace, then the working directory gets a fresh tmpfs of its
-                own (read-write, disk_bytes, owned by the program's uid): writes anywhere
-                else fail with EROFS (or EACCES), whatever the program does, and the
-                tmpfs disappears with the namespace. The working directory's parent
-                (the host's temp directory: other episodes' working directories, host
-                files and sockets there) is covered first by an empty read-only tmpfs
-                (unless the interpreter lives under it), so episodes see no one else's
-                files and nothing persists to the next; so are /dev/shm, /var/tmp,
-                /run, /home, /mnt, /media and /srv (each unless the interpreter lives
-                there). /proc is mounted anew for the pid
-                namespace (the program is pid 2 and sees only its own processes). As root
-                with the unique uid, directories on the interpreter's path that other
-                users cannot enter (a pyenv under /root, say) are overlaid by a
-                read-only tmpfs holding only that path, so the rest stays hidden.
+                no host socket path exists in the program's root besides (below).
+                Files: a minimal root (`sandbox_root.py`). P1 builds a new root on an
+                empty tmpfs, pivot_roots into it and detaches the old one, so nothing
+                else of the host's filesystem is in the namespace: every other path is
+                ENOENT however it is named (`..`, symlinks, /proc/self/root,
+                /proc/1/root, /proc/self/cwd, /dev/fd, dir_fd; the host's /proc/<pid>
+                is not in the pid namespace). The root holds only: the interpreter at
+                its real path; its stdlib directory (os.py's, lib-dynload included),
+                with site-packages / dist-packages covered by an empty tmpfs; the
+                dynamic loader and the shared libraries the interpreter and the stdlib's
+                extension modules need (from their ELF DT_NEEDED / RPATH / RUNPATH,
+                transitively, plus libgcc_s), each file bound alone at its path with
+                the symlinks on the way (/lib -> usr/lib, say) recreated; the C.UTF-8
+                locale (/usr/lib/locale/C.utf8) where the host has it;
+                /etc/ld.so.cache only where a library lies outside the loader's default
+                directories and the RUNPATHs (else there is no /etc at all); /dev with
+                null, zero, full, random, urandom (the host's, bound), fd, stdin,
+                stdout, stderr (links into /proc/self/fd) and an empty /dev/shm; /proc,
+                mounted anew for the pid namespace (the program is pid 2 and sees only
+                its own processes; where the kernel refuses the mount, an empty
+                directory, never the host's); and the working directory, a fresh tmpfs
+                of disk_bytes owned by the program's uid (its parent, the host's temp
+                directory, holds nothing else). No repository, dataset, venv, /home,
+                /root (but the directories on the way to an interpreter there), /etc,
+                /opt, /var, /srv, /run, /tmp of the host's; no other program (a
+                subprocess of anything but the interpreter: FileNotFoundError). With a
+                pyenv interpreter under /root, `/` lists dev, lib, lib64, proc, root,
+                tmp, usr. Every mount but the working directory is read-only (plus
+                nosuid): writes anywhere else fail with EROFS, whatever the program
+                does, and the tmpfs disappears with the namespace; episodes see no one
+                else's files and nothing persists to the next. The directories the
+                root adds on the way are its own (0755), so a unique uid reaches an
+                interpreter under /root without anything else there being shown.
   "audit_hook"  the fallback where namespaces are unavailable (a container without
                 CAP_SYS_ADMIN or user namespaces), by name only. On a root host the
                 program runs as a uid of its own (as above; the working directory is
@@ -136,10 +154,10 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 itself.
 `run_python(..., isolation=...)` forces either mode (the tests run both).
 
-Reading stays allowed wherever the program's uid may read (the stdlib, say): the sandbox
-hides no host files except those overlays and (namespaces) the host's temp directory
-and the places above (where world-readable files of the host stay readable in audit_hook mode). /dev/shm is read-only too, so
-multiprocessing's semaphores are unavailable; /dev/null and friends work.
+Reading: namespaces mode shows only its minimal root (above); audit_hook mode reads
+wherever the program's uid may (world-readable host files included: documented above).
+/dev/shm is empty and read-only in namespaces mode, so multiprocessing's semaphores are
+unavailable; /dev/null and friends work.
 """
 
 from __future__ import annotations
