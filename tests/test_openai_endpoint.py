@@ -7,6 +7,7 @@ through the wire and one GRPO update (mismatch_max_abs 0.0)."""
 import dataclasses
 import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -658,6 +659,162 @@ def test_a_retried_call_gets_its_recorded_turn_and_records_it_once(served):
   ids = r3.rljax["completion_token_ids"]
   assert traj.completion_ids[-len(ids):].tolist() == ids
   assert rescore_diff(run, [traj]) == 0.0
+  assert endpoint.stats["http_500"] == 0
+
+
+def _hang_up(endpoint, body, *, first_bytes=False):
+  """A chat call on a raw socket whose client closes it before reading the reply
+  (`first_bytes`: after the reply's first byte, mid-stream)."""
+  host, port = endpoint.url[len("http://"):].split(":")
+  data = json.dumps(body).encode()
+  sock = socket.create_connection((host, int(port)), timeout=60)
+  sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+  if first_bytes:
+    assert sock.recv(1)
+  sock.close()
+
+
+def _wait_unseen(endpoint, eid, turns):
+  """Until the episode holds `turns` turns, the last one never delivered."""
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    with endpoint._lock:  # pylint: disable=protected-access
+      ep = endpoint._episodes[eid]  # pylint: disable=protected-access
+      if ep.turns == turns and not ep.busy and ep.last_call is not None and \
+          ep.last_call.unseen:
+        return
+    time.sleep(0.01)
+  raise AssertionError(f"{eid}: no undelivered turn {turns}")
+
+
+def _turn_nobody_gets(endpoint, body):
+  """The call's turn runs after its client hung up (held until the server has it)."""
+  turns = endpoint.episode(body["episode_id"]).turns
+  endpoint.pause()
+  try:
+    _hang_up(endpoint, body)
+    deadline = time.monotonic() + 60
+    while endpoint.waiting_turns < 1 and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    endpoint.resume()
+  _wait_unseen(endpoint, body["episode_id"], turns + 1)
+
+
+def _chat_ok(endpoint, eid, messages, **kw):
+  status, r = _post(endpoint, "/v1/chat/completions",
+                    {"model": "rljax", "messages": messages, "episode_id": eid, **kw})
+  assert status == 200, r
+  return r
+
+
+def _reply(r):
+  return {"role": "assistant", "content": r["choices"][0]["message"]["content"]}
+
+
+def test_a_turn_its_client_never_got_is_rolled_back_by_a_different_call(served):
+  # the harness hangs up on a turn and sends something else (the same history with
+  # another observation and budget): 200, and the episode is the one a harness without
+  # the hang-up records (seeded calls: the same keys in both episodes), bit for bit
+  run, endpoint = served
+  before = dict(endpoint.stats)
+  for eid in ("lost", "kept"):
+    _register(endpoint, eid)
+  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+  r1 = [_chat_ok(endpoint, eid, msgs, max_tokens=6, seed=5) for eid in ("lost", "kept")]
+  assert r1[0]["rljax"]["completion_token_ids"] == r1[1]["rljax"]["completion_token_ids"]
+  history = msgs + [_reply(r1[0])]
+  _turn_nobody_gets(endpoint, {"model": "rljax", "episode_id": "lost", "max_tokens": 8,
+                               "seed": 5, "messages": history + [
+                                   {"role": "tool", "content": "result: 46"}]})
+  history.append({"role": "tool", "content": "result: 47"})
+  r2 = [_chat_ok(endpoint, eid, history, max_tokens=5, seed=5) for eid in ("lost", "kept")]
+  assert endpoint.episode("lost").turns == 2
+  history += [_reply(r2[0]), {"role": "user", "content": "again"}]
+  r3 = [_chat_ok(endpoint, eid, history, max_tokens=7, seed=5) for eid in ("lost", "kept")]
+  assert r3[0]["rljax"]["completion_token_ids"] == r3[1]["rljax"]["completion_token_ids"]
+  a, b = endpoint.finish("lost", reward=1.0), endpoint.finish("kept", reward=1.0)
+  assert_same_record(a, b)
+  assert rescore_diff(run, [a]) == 0.0
+  stats = {k: endpoint.stats[k] - before.get(k, 0) for k in endpoint.stats}
+  assert stats["rolled_back_turns"] == 1 and stats["undelivered_replies"] == 1
+  assert endpoint.stats["http_500"] == 0
+
+
+def test_a_streamed_turn_cut_mid_stream_is_rolled_back_exactly(served, reference_engine):
+  # the client reads the stream's first byte and hangs up while the engine decodes; the
+  # next call (other observation, other budget) rolls the turn back: the record is the
+  # engine's own, driven directly with the calls the harness made (bitwise)
+  run, endpoint = served
+  _register(endpoint, "lost-s")
+  msgs = [{"role": "user", "content": "Compute 7 * 8 with the tool."}]
+  r1 = _chat_ok(endpoint, "lost-s", msgs, max_tokens=6)
+  history = msgs + [_reply(r1)]
+  got, gone, step = threading.Event(), threading.Event(), run.engine.step
+
+  def held_step():  # once the client has the stream's start, no step until it hung up
+    if got.is_set():
+      gone.wait(30)
+    return step()
+
+  run.engine.step = held_step
+  try:
+    host, port = endpoint.url[len("http://"):].split(":")
+    body = {"model": "rljax", "episode_id": "lost-s", "max_tokens": 40, "stream": True,
+            "messages": history + [{"role": "tool", "content": "result: 56"}]}
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                 f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert sock.recv(1)
+    got.set()
+    sock.close()
+    gone.set()
+    _wait_unseen(endpoint, "lost-s", 2)
+  finally:
+    del run.engine.step
+  assert endpoint.episode("lost-s").turns == 2
+  history.append({"role": "tool", "content": "result: 57"})
+  r2 = _chat_ok(endpoint, "lost-s", history, max_tokens=5)
+  history += [_reply(r2), {"role": "user", "content": "again"}]
+  _chat_ok(endpoint, "lost-s", history, max_tokens=8)
+  traj = endpoint.finish("lost-s", reward=0.0)
+  assert_same_record(traj, engine_reference(reference_engine, endpoint, traj, [6, 5, 8]))
+  assert rescore_diff(run, [traj]) == 0.0
+  assert endpoint.stats["http_500"] == 0
+
+
+def test_finishing_after_an_undelivered_last_turn_trains_on_what_the_harness_saw(served):
+  run, endpoint = served
+  _register(endpoint, "lost-f")
+  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+  r1 = _chat_ok(endpoint, "lost-f", msgs, max_tokens=6)
+  seen = endpoint.episode("lost-f").snapshot()
+  _turn_nobody_gets(endpoint, {"model": "rljax", "episode_id": "lost-f", "max_tokens": 8,
+                               "messages": msgs + [_reply(r1), {"role": "tool",
+                                                                "content": "result: 46"}]})
+  assert endpoint.episode("lost-f").turns == 2
+  endpoint.finish("lost-f", reward=1.0)
+  (group,) = [g for g in endpoint.take_groups(1) if g.task.task_id == "lost-f"]
+  (traj,) = group.trajectories
+  p = seen["prompt_len"]
+  assert traj.prompt_ids.tolist() == seen["tokens"][:p]
+  assert traj.completion_ids.tolist() == seen["tokens"][p:]
+  assert traj.loss_mask.tolist() == seen["loss_mask"] and traj.versions.tolist() == seen["versions"]
+  chex.assert_trees_all_equal(traj.behaviour_logprobs, np.asarray(seen["logprobs"], np.float32))
+  chex.assert_trees_all_equal(traj.expert_ids, np.stack(seen["routing"]).astype(np.int32))
+  assert r1["rljax"]["completion_token_ids"] == traj.completion_ids.tolist()
+  assert not endpoint.episode("lost-f").resident and rescore_diff(run, [traj]) == 0.0
+  # an episode whose only turn never arrived has nothing to finish; a first call starts it
+  _register(endpoint, "lost-0")
+  _turn_nobody_gets(endpoint, {"model": "rljax", "episode_id": "lost-0", "max_tokens": 4,
+                               "messages": msgs})
+  status, out = _post(endpoint, "/v1/episodes/lost-0/finish", {"reward": 1.0})
+  assert status == 400 and out["error"]["code"] == "empty_episode", out
+  assert endpoint.episode("lost-0").turns == 0 and not endpoint.episode("lost-0").resident
+  _chat_ok(endpoint, "lost-0", msgs, max_tokens=4)
+  endpoint.drop("lost-0")
   assert endpoint.stats["http_500"] == 0
 
 

@@ -94,11 +94,21 @@ by name and arguments as JSON values) and `role: tool` replies (`tool_call_id`):
 turn is the template's text after the sentinel, the reply rendered without its calls (its
 sampled tokens, calls included, are recorded); the history is never re-tokenized.
 
-Retries. A call whose body is the episode's last call's (an SDK's automatic retry after a
-timeout or a dropped connection: the turn was recorded, its reply never arrived) gets that
-call's response, waiting for it while it still runs (`stats["replayed_calls"]`): the turn
-is recorded once and delivered to the retry. A reply the client was gone for counts in
-`stats["undelivered_replies"]`. Under load (the test: 64 episodes at once on loopback,
+Retries and lost replies (`deliveries.py`). A call whose body is the episode's last
+call's (an SDK's automatic retry after a timeout or a dropped connection: the turn was
+recorded, its reply never arrived) gets that call's response, waiting for it while it
+still runs (`stats["replayed_calls"]`): the turn is recorded once and delivered to the
+retry. A reply the client was gone for (it closed its end before the reply, or the write
+failed; plain or streamed) counts in `stats["undelivered_replies"]` and leaves its turn
+unseen until some retry delivers it. If instead the episode's next call fits the record
+*before* that turn (the harness gave up on it: the same history with another observation
+or other parameters), the turn is rolled back first: the record returns exactly to its
+state before it (ids, masks, log-probs, versions, routing, conversation), the engine's
+sequence holding it is released, and the call is a fresh submit of the record under the
+same request id (the bits of an episode that never had the turn; tested bitwise, plain and
+cut mid-stream). Finishing an episode whose last turn is unseen rolls it back too (its
+only turn: 400 `empty_episode`): no trained token was unseen by its harness
+(`stats["rolled_back_turns"]`). Under load (the test: 64 episodes at once on loopback,
 every 8th dropping its first call's connection and retrying) no call is a 500.
 
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose
@@ -113,8 +123,9 @@ calls JAX. An engine failure fails the calls in flight with 500 and every
 later one with 503.
 
 Modules: `api` (OpenAI schema: errors, messages, parameters), `server` (the HTTP handler),
-`episodes` (episode records, registration, groups), `owner` (the engine-owner thread),
-`render` (the chat template, ids to text, stop strings), `tools` (tools and tool-call
+`episodes` (episode records, registration, groups), `deliveries` (retries, undelivered
+replies, rollbacks), `owner` (the engine-owner thread), `render` (a call's history against
+the record, the chat template, ids to text, stop strings), `tools` (tools and tool-call
 parsers), `stream` (server-sent events), `endpoint` (`Endpoint`, tying them together).
 """
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import queue
 import threading
 import time
@@ -18,8 +17,9 @@ from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.engine.pages import pages_for
 from rljax.rl.trajectory import FinishReason
 from rljax.serving.api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, check_fields,
-                               finish_reason_name, parse_messages, same_message)
-from rljax.serving.episodes import MAX_REQUEST_ID, Delivery, EpisodeRecord, EpisodeStore
+                               finish_reason_name, parse_messages)
+from rljax.serving.deliveries import Deliveries, Delivery
+from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
 from rljax.serving.tools import check_tools, load_tool_parser, parse_tool_calls, wire_tool_calls
@@ -36,7 +36,7 @@ class _Call:
   stop_texts: tuple[str, ...]
 
 
-class Endpoint(EpisodeStore, EngineOwner, Renderer):
+class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
   """The OpenAI-compatible endpoint over `engine` (which must carry only this endpoint's
   work from now on: the owner thread drives it). `tokenizer`: the env tokenizer whose ids
   the engine's model uses (`hf.apply_chat_template` for chat). `sampling`: the server's
@@ -203,7 +203,10 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
         raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
       if ep.kind not in (None, kind):
         raise ApiError(400, f"episode {episode_id!r} is a {ep.kind} episode", "wrong_kind")
-      ep.busy, ep.last_call = True, delivery
+      ep.busy = True
+      if delivery is not None:
+        delivery.episode, delivery.before, delivery.prev = ep, ep.snapshot(), ep.last_call
+        ep.last_call = delivery
     return ep
 
   def _run_turn(self, ep: EpisodeRecord, new_ids: Sequence[int], call: _Call,
@@ -248,29 +251,6 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
                on_tokens=None) -> dict:
     return self._once("completion", body, path_episode, headers, self._complete, on_tokens)
 
-  def _once(self, kind: str, body: Mapping, path_episode: str | None, headers, run,
-            on_tokens) -> dict:
-    """A call whose body is the episode's last call's, byte for byte after sorting keys (an
-    SDK's automatic retry after a timeout or a dropped connection), gets that call's
-    response (waiting for it while it runs) instead of a second turn or a
-    `history_mismatch`: the turn is recorded once and delivered to the retry."""
-    key = kind + json.dumps(body, sort_keys=True)
-    episode_id = path_episode or body.get("episode_id") or (headers or {}).get("X-Episode-Id")
-    with self._lock:
-      ep = self._episodes.get(episode_id) if isinstance(episode_id, str) else None
-      last = None if ep is None else ep.last_call
-    if last is not None and last.key == key:
-      last.done.wait()
-      if last.response is not None:
-        self.stats["replayed_calls"] += 1
-        return last.response
-    delivery = Delivery(key)
-    try:
-      delivery.response = run(body, path_episode, headers, delivery, on_tokens)
-      return delivery.response
-    finally:
-      delivery.done.set()
-
   def _chat(self, body: Mapping, path_episode: str | None, headers, delivery, on_tokens
             ) -> dict:
     call = self._params(body, "chat")
@@ -286,25 +266,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
     try:
       if messages[-1]["role"] == "assistant":
         raise ApiError(400, "the last message must not be the assistant's")
-      if ep.turns == 0:
-        new_ids = self._render_ids(messages, None, tools=tools)
-      else:
-        if tools != ep.tools:
-          raise ApiError(400, "history_mismatch: tools differ from the episode's first call's "
-                         "(the template rendered those into its prompt)", "history_mismatch",
-                         param="tools")
-        known = ep.messages
-        for i, m in enumerate(known):
-          if i >= len(messages) or not same_message(messages[i], m):
-            raise ApiError(400, f"history_mismatch: messages[{i}] ({m['role']}) differs from "
-                           "the episode's recorded conversation (earlier messages and replies "
-                           "must be sent back unchanged; start a new episode to branch)",
-                           "history_mismatch")
-        new = messages[len(known):]  # not empty: the last message is not the reply
-        if any(m["role"] == "assistant" for m in new):
-          raise ApiError(400, "history_mismatch: an assistant message the engine did not "
-                         "sample; replies must be this server's", "history_mismatch")
-        new_ids = self._render_ids(known, new, stopped_on=ep.last_stop_id, tools=tools)
+      new_ids = self._fit(ep, delivery, lambda: self._chat_ids(ep, messages, tools))
       turn = self._run_turn(ep, new_ids, call, on_tokens)
       message = {"role": "assistant", "content": turn.text}
       finish = finish_reason_name(ep.finish_reason)
@@ -346,27 +308,7 @@ class Endpoint(EpisodeStore, EngineOwner, Renderer):
                      param=next((k for k in ("echo", "suffix") if body.get(k)), "best_of"))
     ep = self._claim(body, path_episode, headers or {}, "completion", delivery)
     try:
-      if ep.turns and ids_mode != ep.ids_mode:
-        raise ApiError(400, f"episode {ep.episode_id!r} takes its prompts as "
-                       f"{'token ids' if ep.ids_mode else 'text'}", "history_mismatch")
-      if ids_mode:
-        if prompt[:len(ep.tokens)] != ep.tokens:
-          raise ApiError(400, "history_mismatch: the prompt's ids do not start with the "
-                         "episode's tokens", "history_mismatch")
-        new_ids = prompt[len(ep.tokens):]
-      else:
-        known = ep.text or ""
-        if not prompt.startswith(known):
-          raise ApiError(400, "history_mismatch: the prompt does not start with the "
-                         "episode's text so far (its prompts and completions)",
-                         "history_mismatch")
-        rest = prompt[len(known):]
-        if ep.unsent_text and rest.startswith(ep.unsent_text):
-          rest = rest[len(ep.unsent_text):]  # recorded already (a stop string)
-        try:
-          new_ids = self.tokenizer.encode(rest).tolist()
-        except ValueError as e:
-          raise ApiError(400, f"prompt: {e}") from None
+      new_ids = self._fit(ep, delivery, lambda: self._completion_ids(ep, prompt, ids_mode))
       turn = self._run_turn(ep, new_ids, call, on_tokens)
       text = turn.text
       with self._lock:

@@ -4,10 +4,10 @@ groups handed to the trainer (`take_groups`). A mixin of `Endpoint` (it holds `_
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import re
-import threading
 import time
 import uuid
 from typing import Any
@@ -22,6 +22,10 @@ from rljax.serving.api import ApiError
 
 MAX_REQUEST_ID = 2**31 - 1
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+# what a turn changes in a record (`snapshot` / `restore`: a turn rolled back exactly)
+_RECORD = ("kind", "prompt_len", "tokens", "loss_mask", "logprobs", "versions", "routing",
+           "turns", "finish_reason", "last_stop_id", "messages", "tools", "text",
+           "unsent_text", "ids_mode")
 
 
 @dataclasses.dataclass(eq=False)
@@ -54,7 +58,15 @@ class EpisodeRecord:
   last_used: float = 0.0
   finished: Trajectory | None = None
   taken: bool = False  # handed to the trainer by take_groups
-  last_call: Any = None  # the last call's body key and response (a retry gets it again)
+  last_call: Any = None  # the last call's `Delivery` (a retry gets it again; rollback)
+
+  def snapshot(self) -> dict:
+    """The record as it is (copies): `restore` returns it to exactly this."""
+    return {k: copy.copy(getattr(self, k)) for k in _RECORD}
+
+  def restore(self, snapshot: dict) -> None:
+    for k, v in snapshot.items():
+      setattr(self, k, copy.copy(v))
 
   def summary(self) -> dict:
     return {"episode_id": self.episode_id, "group_id": self.group_id,
@@ -65,14 +77,6 @@ class EpisodeRecord:
             "reward": None if self.finished is None else float(self.finished.reward),
             "outcome": None if self.finished is None else self.finished.outcome.value}
 
-
-
-@dataclasses.dataclass(eq=False)
-class Delivery:
-  """An episode's last call: its body's key and, once it has run, its response."""
-  key: str
-  response: dict | None = None
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class EpisodeStore:
@@ -109,7 +113,9 @@ class EpisodeStore:
   def finish(self, episode_id: str, reward: float, outcome: str | Outcome | None = None
              ) -> Trajectory:
     """Closes an episode with its reward (`outcome` default: success if reward > 0, else
-    model_failure); returns its Trajectory. The engine's copy of it is released."""
+    model_failure); returns its Trajectory. The engine's copy of it is released. A last
+    turn whose reply never reached the client is rolled back first (`deliveries.py`): no
+    trained token was unseen by the harness."""
     try:
       reward = float(reward)
     except (TypeError, ValueError):
@@ -127,7 +133,8 @@ class EpisodeStore:
         raise ApiError(409, f"episode {episode_id!r} is finished", "episode_finished")
       if ep.busy:
         raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
-      if ep.turns == 0:
+      rolled_back = self._roll_back_unseen(ep)  # a last turn its client never received
+      if ep.turns == 0 and not rolled_back:
         raise ApiError(400, f"episode {episode_id!r} has no turns (drop it instead)",
                        "empty_episode")
       ep.busy = True  # no call may start while its sequence is released
@@ -136,6 +143,9 @@ class EpisodeStore:
     finally:
       with self._lock:
         ep.busy = False
+    if ep.turns == 0:
+      raise ApiError(400, f"episode {episode_id!r}: its only turn never reached the client and "
+                     "was rolled back; it has no turns (call again, or drop it)", "empty_episode")
     with self._lock:
       ep.finished = self._trajectory(ep, reward, outcome)
       self._finished_cv.notify_all()

@@ -6,6 +6,8 @@ import functools
 import http.server
 import json
 import re
+import select
+import socket
 import urllib.parse
 
 from rljax.serving.api import ApiError
@@ -66,8 +68,17 @@ def make_handler(endpoint):
         raise ApiError(400, "the body must be a JSON object")
       return body
 
+    def _client_gone(self) -> bool:
+      """Whether the client closed its end (a timeout, a disconnect) before its reply."""
+      try:
+        if not select.select([self.connection], [], [], 0)[0]:
+          return False
+        return self.connection.recv(1, socket.MSG_PEEK) == b""
+      except (OSError, ValueError):
+        return True
+
     def _route(self, method: str) -> None:
-      writer = None
+      writer, turn = None, None  # turn: a generation call's response (its delivery reported)
       try:
         path, episode = self.path.split("?")[0].rstrip("/"), None
         m = _EPISODE_PATH.match(path)
@@ -80,9 +91,9 @@ def make_handler(endpoint):
           writer = StreamWriter(self, endpoint, body, chat=path == "/v1/chat/completions")
         on_tokens = None if writer is None else writer.tokens
         if method == "POST" and path == "/v1/chat/completions":
-          out = endpoint.chat(body, episode, self.headers, on_tokens=on_tokens)
+          out = turn = endpoint.chat(body, episode, self.headers, on_tokens=on_tokens)
         elif method == "POST" and path == "/v1/completions":
-          out = endpoint.complete(body, episode, self.headers, on_tokens=on_tokens)
+          out = turn = endpoint.complete(body, episode, self.headers, on_tokens=on_tokens)
         elif method == "POST" and path == "/v1/episodes":
           out = endpoint.episode(endpoint.register(body.get("episode_id"),
                                                    body.get("group_id"))).summary()
@@ -123,10 +134,17 @@ def make_handler(endpoint):
         if writer is not None and writer.started:
           reply = functools.partial(writer.fail, error)
       try:
+        if turn is not None and self._client_gone():
+          raise ConnectionAbortedError
         reply()
-      except OSError:  # the client went away (a timeout): a retry of the call gets it again
-        endpoint.stats["undelivered_replies"] += 1
+      except OSError:  # the client went away (a timeout): a retry of the call gets it again,
+        endpoint.stats["undelivered_replies"] += 1  # another call may roll it back
         self.close_connection = True
+        if turn is not None:
+          endpoint.delivered(turn, False)
+        return
+      if turn is not None:
+        endpoint.delivered(turn, True)
 
     def do_GET(self):  # pylint: disable=invalid-name
       self._route("GET")
