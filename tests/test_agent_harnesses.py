@@ -3,7 +3,9 @@
 OpenAI chat-completions client), the OpenAI Agents SDK (`openai-agents`: a function tool,
 several turns) and `smolagents` (its ToolCallingAgent through its OpenAI model). Each is
 configured only through its public API (base_url, api_key, model name, tools, headers);
-each episode is named by the endpoint's `X-Episode-Id` header or a per-episode base_url.
+each episode is named by the endpoint's `X-Episode-Id` header or a per-episode base_url;
+verifiers' own `run_group` names its rollouts itself (their trajectory ids, with the group's
+`X-Group-Id`: the endpoint registers them on first use).
 
 The model is tiny and random: it answers garbage, so no test expects a meaningful tool
 call. What is checked: every harness runs its real loop against the server (its requests
@@ -112,6 +114,50 @@ def test_verifiers_tool_env_rolls_out_through_the_endpoint(served):
     assert [t["function"]["name"] for t in _recorded_tools(endpoint, eid)] == [TOOL_NAME]
   _finish_group(run, endpoint, "verifiers", episodes,
                 [float(o["reward"]) for o in outs])
+
+
+def test_verifiers_run_group_names_its_rollouts_through_its_client_config(served):
+  # verifiers' own group API, unchanged: one ClientConfig for the whole group; each
+  # rollout's calls carry its trajectory_id (extra_headers_from_state) and the group's
+  # X-Group-Id (extra_headers): the endpoint registers each id in the group on its first
+  # call, and the group is complete when the rollouts are finished with the rubric's rewards
+  import verifiers as vf  # pylint: disable=import-outside-toplevel
+  from datasets import Dataset  # pylint: disable=import-outside-toplevel
+  from verifiers.types import ClientConfig  # pylint: disable=import-outside-toplevel
+  run, endpoint = served
+  before = endpoint.stats["registered_on_first_use"]
+
+  def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+  def correct(completion, answer, **kwargs) -> float:
+    text = " ".join(str(m.get("content") or "") for m in completion if m["role"] == "assistant")
+    return float(answer in text) + 0.5 * len(text) / 100  # rollouts differ: a signal
+
+  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
+  env = vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=3,
+                   system_prompt=SHORT, rubric=vf.Rubric(funcs=[correct]))
+  config = ClientConfig(api_base_url=f"{endpoint.url}/v1", api_key_var="RLJAX_TEST_NO_KEY",
+                        max_retries=0, extra_headers={"X-Group-Id": "verifiers-group"},
+                        extra_headers_from_state={"X-Episode-Id": "trajectory_id"})
+  inputs = env.get_eval_dataset(n=1).to_list() * 2
+  outs = asyncio.run(env.run_group(inputs, config, "rljax", {"max_tokens": 6},
+                                   state_columns=["trajectory_id"]))
+  assert all(o.get("error") is None for o in outs), [o.get("error") for o in outs]
+  reward = {o["trajectory_id"]: float(o["reward"]) for o in outs}
+  assert len(reward) == 2 and endpoint.stats["registered_on_first_use"] == before + 2
+  with endpoint._lock:  # pylint: disable=protected-access
+    episodes = [e.episode_id for e in endpoint._groups["verifiers-group"]]  # pylint: disable=protected-access
+  assert sorted(episodes) == sorted(reward)
+  for eid in episodes:
+    assert [t["function"]["name"] for t in _recorded_tools(endpoint, eid)] == [TOOL_NAME]
+  _finish_group(run, endpoint, "verifiers-group", episodes, [reward[e] for e in episodes])
 
 
 
@@ -319,8 +365,8 @@ def test_the_harnesses_episodes_train_in_one_grpo_update(served):
   from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
   from rljax.pipeline import wire  # pylint: disable=import-outside-toplevel
   run, _ = served
-  assert sorted(GROUPS) == ["openai-agents", "smolagents", "verifiers"]
-  # one batch of the three harnesses' groups (the fixture's run updates on two groups)
+  assert sorted(GROUPS) == ["openai-agents", "smolagents", "verifiers", "verifiers-group"]
+  # one batch of the harnesses' groups (the fixture's run updates on two groups)
   run.config.rl.prompts_per_step = len(GROUPS)
   decoded = [wire.group_from_arrays(wire.group_to_arrays(g.trajectories), g.request_id)
              for g in GROUPS.values()]

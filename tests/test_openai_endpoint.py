@@ -818,6 +818,32 @@ def test_finishing_after_an_undelivered_last_turn_trains_on_what_the_harness_saw
   assert endpoint.stats["http_500"] == 0
 
 
+def test_a_call_naming_its_group_registers_its_episode_on_first_use(served):
+  # (verifiers' run_group names its rollouts itself): within the group's size; a known
+  # episode must be in the group named; without a group an unknown id is still a 404
+  _, endpoint = served
+  endpoint.group_size = 2
+  msgs = [{"role": "user", "content": "hi"}]
+  try:
+    for eid in ("fu-a", "fu-b"):
+      _chat_ok(endpoint, eid, msgs, max_tokens=2, group_id="fu-g")
+    assert [e.episode_id for e in endpoint._groups["fu-g"]] == ["fu-a", "fu-b"]  # pylint: disable=protected-access
+    status, out = _post(endpoint, "/v1/chat/completions", {
+        "messages": msgs, "episode_id": "fu-c", "group_id": "fu-g", "max_tokens": 2})
+    assert status == 409 and out["error"]["code"] == "group_full", out
+    status, out = _post(endpoint, "/v1/chat/completions", {
+        "messages": msgs, "episode_id": "fu-a", "group_id": "other", "max_tokens": 2})
+    assert status == 400 and out["error"]["code"] == "wrong_group", out
+    status, out = _post(endpoint, "/v1/chat/completions", {
+        "messages": msgs, "episode_id": "fu-d", "max_tokens": 2})
+    assert status == 404 and out["error"]["code"] == "unknown_episode", out
+  finally:
+    endpoint.group_size = None
+  for eid in ("fu-a", "fu-b"):
+    endpoint.drop(eid)
+  assert endpoint.stats["http_500"] == 0
+
+
 def test_load_64_concurrent_episodes_with_disconnects(served):
   # loopback load: 64 episodes at once (32 groups of 2, two turns each), every 8th
   # client dropping its first call's connection before the reply and sending it again;

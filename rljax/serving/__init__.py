@@ -14,12 +14,19 @@ same call as server-sent events, text as the engine steps produce it: `stream.py
   GET  /v1/models, GET /v1/models/{id}, GET /health
 
 Episodes. Every generation call belongs to an episode the harness registered first
-(`POST /v1/episodes`; an unknown id is a 404, never a silently new episode). A call names
-it by `extra_body={"episode_id": ...}`, by the header `X-Episode-Id`, or by its base URL:
+(`POST /v1/episodes`; an unknown id is a 404, never a silently new episode, unless the
+call names its group: below). A call names it by `extra_body={"episode_id": ...}`, by
+the header `X-Episode-Id`, or by its base URL:
 `OpenAI(base_url=f"{server}/episodes/{id}/v1")` serves that episode's calls with no extra
 field at all (for harnesses that cannot add one). One call at a time per episode (409).
 `group_id` (default: the episode id) groups episodes for GRPO: the trainer takes complete
 groups (`Endpoint.take_groups(group_size)`: `group_size` finished episodes, none open).
+A call that also names its group (`extra_body={"group_id": ...}` or `X-Group-Id`)
+registers an unknown episode id in that group on first use (within `group_size`; a known
+one must be in that group, else 400 `wrong_group`): for harnesses that name each rollout
+themselves and cannot register it first, e.g. verifiers' own `env.run_group` with
+`ClientConfig(extra_headers={"X-Group-Id": g}, extra_headers_from_state={"X-Episode-Id":
+"trajectory_id"})` (`stats["registered_on_first_use"]`).
 
 Token space. An episode is one growing token sequence, as a multi-turn env episode is:
 turn n's prompt is every earlier prompt and sampled token of the episode followed by the

@@ -26,7 +26,7 @@ class ApiError(Exception):
 
 # request fields the endpoint serves (each checked where it is used)
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
-                     "logprobs", "user", "episode_id", "stream", "stream_options"})
+                     "logprobs", "user", "episode_id", "group_id", "stream", "stream_options"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata",
                          "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}

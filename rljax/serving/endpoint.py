@@ -193,6 +193,9 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
     if episode_id is None:
       raise ApiError(400, "no episode: pass extra_body={'episode_id': ...}, the X-Episode-Id "
                      "header, or base_url=<server>/episodes/<id>/v1", "missing_episode")
+    group_id = body.get("group_id") or headers.get("X-Group-Id")
+    if group_id is not None:  # a call naming its group registers a new id on first use
+      self._first_use(episode_id, group_id)
     with self._lock:
       if self._broken is not None:
         raise ApiError(503, f"the engine failed: {self._broken!r}", kind="server_error")

@@ -110,6 +110,26 @@ class EpisodeStore:
       self._group_index.setdefault(group_id, len(self._group_index))
     return episode_id
 
+  def _first_use(self, episode_id: str, group_id: str) -> None:
+    """A generation call naming its group (`group_id` field, `X-Group-Id` header) registers
+    an episode id the endpoint does not know in that group (within `group_size`): for
+    harnesses that name each rollout themselves (verifiers' `extra_headers_from_state`)
+    and cannot register it first. A known episode must be in that group."""
+    with self._lock:
+      ep = self._episodes.get(episode_id) if isinstance(episode_id, str) else None
+    if ep is None:
+      try:
+        self.register(episode_id, group_id)
+        self.stats["registered_on_first_use"] += 1
+        return
+      except ApiError as e:
+        if e.code != "episode_exists":  # else: a concurrent first call registered it
+          raise
+      ep = self.episode(episode_id)
+    if ep.group_id != group_id:
+      raise ApiError(400, f"episode {episode_id!r} is in group {ep.group_id!r}, not "
+                     f"{str(group_id)[:80]!r}", "wrong_group", param="group_id")
+
   def finish(self, episode_id: str, reward: float, outcome: str | Outcome | None = None
              ) -> Trajectory:
     """Closes an episode with its reward (`outcome` default: success if reward > 0, else
