@@ -107,6 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
   # full-size steps of every weight and held-out pass@1 fell 0.37 -> 0.03 (TRL with this
   # recipe's lr and schedule fell alike); with this on it held (experiments/study_vs_trl.py)
   c.rl.signal_scaled_updates = True
+  c.rl.step_clip_norm = 0.0
   c.rl.kl_to_start = True  # logs kl to the start policy: +1 forward/update, no backward
   c.rl.loss = ml_collections.ConfigDict(dict(
       clip_low=0.2, clip_high=0.28, aggregation="token_mean", max_tokens=None, tis=True,

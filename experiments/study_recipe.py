@@ -53,32 +53,38 @@ SETTINGS = {
     # arith_tiny's GRPO recipe before this study
     "v1": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 0.05,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
-           "rl.signal_scaled_updates": False},
+           "rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     # TRL GRPOTrainer's defaults as measured against it: lr 1e-4 constant, clip 0.2
     "trl": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0,
             "rl.loss.clip_high": 0.2, "rl.loss.tis": False, "rl.router_replay": False,
-           "rl.signal_scaled_updates": False},
+           "rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     # trl's step size and schedule with v1's clip-higher, TIS and router replay
     "v2": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
-           "rl.signal_scaled_updates": False},
+           "rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     # v1 without the cosine decay: the weak start was still improving when v1's lr had
     # decayed to 0.05x, and trl's constant 1e-4 caught up there
     "v3": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 1.0,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
-           "rl.signal_scaled_updates": False},
+           "rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     # v3 at 2.5x the step size: one update per batch keeps every ratio at 1, so on the
     # lockstep loop the step size and schedule are all that act, and v1/v3 at 2e-4 moved
     # faster than trl at 1e-4 wherever they moved at all
     "v4": {"rl.learning_rate": 5e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 1.0,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
-           "rl.signal_scaled_updates": False},
+           "rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     # v1 with each update scaled by the share of its samples that have an advantage (none
     # when no sample has one): the recipe that held from a transformers-trained start
     # (experiments/study_vs_trl.py), where v1 collapsed
     "v5": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 0.05,
            "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
-           "rl.signal_scaled_updates": True},
+           "rl.signal_scaled_updates": True, "rl.step_clip_norm": 0.0},
+    # v5 with each update (Adam's step) also times min(1, 1 / the raw gradient norm): from a
+    # transformers-trained start whose gradient norms are 5-25 (rljax's own starts': 1-3)
+    # v5 and TRL fell 0.23-0.41 in held-out pass@1 where this rose (study_vs_trl.py)
+    "v6": {"rl.learning_rate": 2e-4, "rl.warmup_steps": 20, "rl.final_lr_frac": 0.05,
+           "rl.loss.clip_high": 0.28, "rl.loss.tis": True, "rl.router_replay": True,
+           "rl.signal_scaled_updates": True, "rl.step_clip_norm": 1.0},
 }
 
 

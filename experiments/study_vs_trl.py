@@ -68,6 +68,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("sft_steps", 1000, "the start's SFT steps")
   flags.DEFINE_integer("min_digits", 1, "RL task: digits per operand, at least")
   flags.DEFINE_integer("max_digits", 3, "RL task: digits per operand, at most")
+  flags.DEFINE_integer("rl_tasks", NUM_TASKS, "RL task: distinct train tasks drawn")
   flags.DEFINE_string("job", None, "internal: run one job (JSON) in this process")
 
 
@@ -106,6 +107,15 @@ SETTINGS = {
     "skip_only": {"rl.signal_scaled_updates": False, "patch.skip_only": True},
     "signal": {"rl.signal_scaled_updates": True},
     "lr5e-5_const": {"rl.learning_rate": 5e-5, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0},
+    # exploration: rollouts (and the learner's log-probs) at a temperature above 1
+    "t1.5": {"rl.temperature": 1.5},
+    "t2": {"rl.temperature": 2.0},
+    # a KL penalty to the start policy (k3, token mean)
+    "kl0.1": {"rl.kl_to_start": True, "rl.loss.kl_coef": 0.1},
+    # the step (after Adam) times min(1, c / raw gradient norm): own starts' gradient norms
+    # stay below ~3 (study_recipe), this start's are 5-25
+    "stepclip3": {"rl.step_clip_norm": 3.0},
+    "stepclip1": {"rl.step_clip_norm": 1.0},
 }
 
 
@@ -119,6 +129,7 @@ class Job:
   out: str
   min_digits: int = 1
   max_digits: int = 3
+  num_tasks: int = NUM_TASKS
 
   @property
   def start_dir(self) -> str:
@@ -235,7 +246,7 @@ def run_trl(job: Job) -> dict:
   env = make_env(job)
   tokenizer = transformers.AutoTokenizer.from_pretrained(job.start_dir, local_files_only=True)
   model = transformers.AutoModelForCausalLM.from_pretrained(job.start_dir, dtype=torch.float32)
-  tasks = env.prompts("train", NUM_TASKS, job.seed)
+  tasks = env.prompts("train", job.num_tasks, job.seed)
   heldout = env.prompts("held_out", job.heldout, 0)
   for t in tasks[:256] + heldout:
     if tokenizer(t.task_id)["input_ids"] != t.prompt_ids.tolist():
@@ -310,7 +321,7 @@ def rljax_config(job: Job):
   config.env.kwargs.update(dict(little_endian=True, min_digits=job.min_digits,
                                 max_digits=job.max_digits))
   config.rl.update(dict(prompts_per_step=PROMPTS, group_size=SAMPLES, max_new_tokens=NEW_TOKENS,
-                        num_tasks=NUM_TASKS, steps=job.steps))
+                        num_tasks=job.num_tasks, steps=job.steps))
   config.engine.num_slots = PROMPTS * SAMPLES
   config.sft.steps = 0
   config.eval.update(dict(num_tasks=job.heldout, every=job.eval_every, seed=0))
@@ -471,7 +482,7 @@ def main(_):
     with open(os.path.join(out, "start.json"), "w", encoding="utf-8") as f:
       json.dump(info, f)
   jobs = [Job(s, int(seed), FLAGS.steps, FLAGS.eval_every, FLAGS.heldout, out,
-              FLAGS.min_digits, FLAGS.max_digits)
+              FLAGS.min_digits, FLAGS.max_digits, FLAGS.rl_tasks)
           for seed in FLAGS.seeds for s in settings]
   run_jobs(jobs, FLAGS.parallel)
   runs = [json.load(open(j.result_path, encoding="utf-8")) for j in jobs]

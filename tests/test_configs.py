@@ -140,6 +140,9 @@ BAD_VALUES = [
      r"'drop'\] \(what training does with an episode cut by the context\), not 'truncate'"),
     ("rl.loss.kl_coef", -0.1, r"config.rl.loss.kl_coef must be >= 0"),
     ("rl.loss.entropy_coef", 0.01, r"config.rl.loss.entropy_coef must be 0"),
+    ("rl.step_clip_norm", -1.0, r"config.rl.step_clip_norm must be a number >= 0 \(0 = off\), "
+     "not -1.0"),
+    ("rl.step_clip_norm", float("nan"), r"config.rl.step_clip_norm must be a number >= 0"),
     ("rl.microbatches", 0, r"config.rl.prompts_per_step and config.rl.microbatches must be >= 1"),
     ("rl.microbatches", 3, r"config.rl.microbatches=3 does not divide the 256 packed rows"),
     ("sft.microbatches", 3, r"config.sft.microbatches=3 does not divide the 64 packed rows"),

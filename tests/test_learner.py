@@ -310,6 +310,33 @@ def test_update_scale_multiplies_the_optimizer_update():
   chex.assert_trees_all_equal(part.opt_state, full.opt_state)
 
 
+def test_step_clip_norm_bounds_adams_step_by_the_raw_gradient_norm():
+  """_apply(step_clip_norm=c): the update is times min(1, c / |g|) of the raw gradient
+  (gradient clipping before Adam leaves Adam's step size as it was: it divides the size
+  back out); at |g| <= c nothing changes, bitwise, and the optimizer state is the
+  unclipped run's either way. Combined with update_scale, the two multiply."""
+  params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
+  loss_fn = lambda p, mb: (jnp.sum((p["w"] - mb) ** 2), {})  # noqa: E731
+  batches = jnp.asarray([[0.5, 0.5, 0.5], [1.0, 0.0, -1.0]], jnp.float32)
+  opt = learner.make_optimizer(0.1)
+  delta = lambda st: np.asarray(st.params["w"]) - np.asarray(params["w"])  # noqa: E731
+  full, m = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches)
+  norm = float(m["grad_norm"])
+  assert norm > 2.0, norm  # 2 * |(1, -2, 3) - (0.75, 0.25, -0.25)| * 2 microbatches
+  clipped, mc = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches,
+                               step_clip_norm=2.0)
+  np.testing.assert_allclose(delta(clipped), (2.0 / norm) * delta(full), rtol=1e-5)
+  assert float(mc["grad_norm"]) == norm  # the logged norm is the raw gradient's
+  chex.assert_trees_all_equal(clipped.opt_state, full.opt_state)
+  # a bound above the gradient's norm changes nothing, bit for bit
+  loose, _ = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches,
+                            step_clip_norm=2.0 * norm)
+  chex.assert_trees_all_equal(loose.params, full.params)
+  both, _ = learner._apply(learner.init_state(params, opt), opt, loss_fn, batches,
+                           jnp.float32(0.5), step_clip_norm=2.0)
+  np.testing.assert_allclose(delta(both), 0.5 * (2.0 / norm) * delta(full), rtol=1e-5)
+
+
 def test_signal_fraction_counts_valid_samples_with_an_advantage(tiny_cfg, tiny_params,
                                                                 rollouts):
   trajs, adv = rollouts

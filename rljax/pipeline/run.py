@@ -176,6 +176,7 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
                         f"from), or kl_coef = 0 (not {kl_coef})")
     if kl_coef < 0:
       raise ConfigError(f"config.rl.loss.kl_coef must be >= 0, not {kl_coef}")
+    step_clip_norm(config)  # >= 0
     if rl.loss.get("entropy_coef", 0.0):
       raise ConfigError("config.rl.loss.entropy_coef must be 0: the GRPO step logs the "
                         "policy's entropy but computes no gradient through it")
@@ -208,6 +209,19 @@ def signal_scaled(config: ml_collections.ConfigDict) -> bool:
   the share of its samples that have an advantage, and none (params and Adam's moments
   untouched) when no sample has one (rljax.rl.learner.make_optimizer / make_grpo_step)."""
   return bool(config.rl.get("signal_scaled_updates", False)) if "rl" in config else False
+
+
+def step_clip_norm(config: ml_collections.ConfigDict) -> float | None:
+  """`config.rl.step_clip_norm` (optional; absent, None or 0 = off): each GRPO update (Adam's
+  step) times min(1, step_clip_norm / the raw gradient's global norm)
+  (rljax.rl.learner.make_grpo_step)."""
+  value = config.rl.get("step_clip_norm", 0.0) if "rl" in config else 0.0
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    raise ConfigError(f"config.rl.step_clip_norm must be a number >= 0 (0 = off), not "
+                      f"{value!r}")
+  return float(value) or None
 
 
 def kl_to_start(config: ml_collections.ConfigDict) -> bool:
@@ -523,7 +537,8 @@ class Built:
                                   sharding=sharding or self.sharding,
                                   state_sharding=state_sharding, lora=self.lora,
                                   reference=self.kl_to_start,
-                                  scale_by_signal=signal_scaled(self.config))
+                                  scale_by_signal=signal_scaled(self.config),
+                                  step_clip_norm=step_clip_norm(self.config))
 
 
 def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,

@@ -169,9 +169,11 @@ def _sft_microbatch_loss(params, mb: TrainBatch, *, cfg, numerics, sharding, den
 TOKEN_MEANS = frozenset({"entropy", "kl"})
 
 
-def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch, update_scale=None):
+def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch, update_scale=None,
+           step_clip_norm: float | None = None):
   """Accumulates gradients over the microbatch axis, then applies them if finite (times
-  `update_scale`, a traced scalar, when given)."""
+  `update_scale`, a traced scalar, when given; times min(1, step_clip_norm / grad_norm)
+  with `step_clip_norm`)."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def body(acc, mb):
@@ -184,6 +186,9 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch, update_sc
   grad_norm = global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  if step_clip_norm is not None:
+    shrink = jnp.minimum(1.0, step_clip_norm / jnp.maximum(grad_norm, 1e-30))
+    update_scale = shrink if update_scale is None else update_scale * shrink
   if update_scale is not None:
     updates = jax.tree.map(lambda u: u * update_scale.astype(u.dtype), updates)
   params = optax.apply_updates(state.params, updates)
@@ -208,7 +213,7 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
                    temperature: float = 1.0, sharding: sharding_lib.Sharding | None = None,
                    state_sharding: TrainState | None = None,
                    lora: lora_lib.LoraConfig | None = None, reference: bool = False,
-                   scale_by_signal: bool = False):
+                   scale_by_signal: bool = False, step_clip_norm: float | None = None):
   """Jitted `(state, microbatches[, current_version][, base=][, ref_params=]) -> (state,
   metrics)`; the state is donated (with `lora`, `base` is the frozen base params, not
   donated).
@@ -252,7 +257,7 @@ def make_grpo_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
       loss_fn = _on_merged(loss_fn, base, lora)
     fraction = signal_fraction(batches)
     state, metrics = _apply(state, optimizer, loss_fn, batches,
-                            fraction if scale_by_signal else None)
+                            fraction if scale_by_signal else None, step_clip_norm)
     return state, metrics | {"signal_fraction": fraction}
 
   jitted = jax.jit(step, donate_argnums=(0,),
