@@ -8,11 +8,12 @@ step = 16 prompts x 8 samples, at most 5 new tokens at temperature 1, one update
 128. Both sides start from the same weights: transformers' own random init, saved with
 `save_pretrained` and read into rljax by its importer (`rljax.model.hf_import`).
 
-rljax: the lockstep loop's step (`rljax.pipeline.lockstep.grpo`, one sampling round) on
+rljax: the lockstep loop's step (`rljax.pipeline.lockstep.step`, one sampling round) on
 the objects `build(config)` makes, in the config's numerics and dtypes (recorded in the
-JSON): `rljax_rollout_s` = `generate_groups` on the engine (sampling + verify), the
-lockstep loop's rollout_s; `rljax_update_s` = `core.train_on_groups` (advantages, packing,
-the jitted GRPO step) plus the new serving weights into the engine. The engine has one
+JSON): `rljax_rollout_s` = its rollout (`generate_groups` on the engine: sampling +
+verify), the record's rollout_s; `rljax_update_s` = the rest of the step:
+`core.train_on_groups` (advantages, packing, the jitted GRPO step), the new serving
+weights into the engine, the step's record. The engine has one
 slot per sample (128), as HF `generate` batches all 128. The first step (compiles) is
 reported apart as `rljax_first_step_s`.
 TRL: `GRPOTrainer` on CPU in float32, torch on 1 thread, no vLLM, the same prompts (a
@@ -30,7 +31,6 @@ update; the times are medians over steps. JAX uses
 the process's cores (XLA:CPU's thread pool), torch one thread. Last line: one JSON object.
 """
 
-import itertools
 import json
 import os
 import statistics
@@ -46,8 +46,7 @@ from experiments import machine_info
 from rljax import numerics
 from rljax.model import count_params
 from rljax.model.hf_import import hf_config_kwargs, load_hf_params
-from rljax.pipeline import core
-from rljax.pipeline.rollout import generate_groups
+from rljax.pipeline import core, lockstep
 from rljax.pipeline.run import LOCKSTEP, build
 
 _ROUNDS = flags.DEFINE_integer("rounds", 10, "interleaved rounds (TRL steps, then rljax steps)")
@@ -62,7 +61,7 @@ def rljax_config(total_steps):
   config = arith_tiny.get_config()
   config.model.update(dict(mlp_only_layers=(), moe_intermediate_size=MOE_WIDTH))
   config.rl.update(dict(prompts_per_step=PROMPTS, group_size=SAMPLES, max_new_tokens=NEW_TOKENS,
-                        num_tasks=NUM_TASKS, steps=total_steps,
+                        num_tasks=NUM_TASKS, steps=total_steps, dynamic_sampling_rounds=1,
                         kl_to_start=False))  # TRL's side has no reference model (beta 0)
   config.engine.num_slots = PROMPTS * SAMPLES
   config.sft.steps = 0
@@ -79,20 +78,14 @@ def hf_model(cfg, char):
   return transformers.Qwen3MoeForCausalLM(hf_cfg).float()  # transformers' own init
 
 
-def rljax_step(run, learner, tasks, request_id):
+def rljax_step(run, loop):
   """The lockstep loop's step (one sampling round): (rollout_s, update_s, completion
-  tokens)."""
-  c = run.config.rl
+  tokens per sample)."""
   t0 = time.perf_counter()
-  groups = generate_groups(run.engine, run.env, list(itertools.islice(tasks, c.prompts_per_step)),
-                           group_size=c.group_size, sampling=run.built.sampling,
-                           seed=run.config.seed, first_request_id=request_id)
-  t1 = time.perf_counter()
-  core.train_on_groups(run, learner, [g.trajectories for g in groups])
-  run.engine.update_weights(run.serve(run.state), run.version)
+  record = lockstep.step(run, loop)
   jax.block_until_ready(run.engine.params)
-  t2 = time.perf_counter()
-  return t1 - t0, t2 - t1, sum(len(t.completion_ids) for g in groups for t in g.trajectories)
+  step_s = time.perf_counter() - t0
+  return record["rollout_s"], step_s - record["rollout_s"], record["completion_tokens_mean"]
 
 
 def main(_):
@@ -114,9 +107,8 @@ def main(_):
   model.save_pretrained(hf_dir)
   run.state = core.params_only(load_hf_params(hf_dir, run.cfg, "float32"))
   run.engine.update_weights(run.serve(run.state), 0)
-  learner = core.grpo_learner(run)
+  loop = lockstep.start(run)  # the learner; the task stream: `tasks` shuffled
   tasks = run.env.prompts("train", NUM_TASKS, run.config.seed)
-  stream = core.task_stream(run.env, NUM_TASKS, run.config.seed)  # the same tasks, shuffled
   n_params = count_params(run.state.params)
   if n_params != sum(p.numel() for p in model.parameters()):
     raise AssertionError("rljax and HF models differ in size")
@@ -145,14 +137,9 @@ def main(_):
                                         "task_index": list(range(len(tasks)))})
   times = {"rljax_rollout": [], "rljax_update": [], "trl_step": [], "trl_generate": []}
   ratios, tokens = {"step": [], "rollout": [], "update": []}, {"rljax": [], "trl": []}
-  state = {"request": 0}
 
   def rljax_steps(n):
-    out = []
-    for _ in range(n):
-      out.append(rljax_step(run, learner, stream, state["request"]))
-      state["request"] += PROMPTS
-    return out
+    return [rljax_step(run, loop) for _ in range(n)]
 
   class Interleave(transformers.TrainerCallback):
     """Times TRL's steps; after every k of them (the first, warm-up step aside) runs k
@@ -168,7 +155,7 @@ def main(_):
       ours = rljax_steps(k)
       times["rljax_rollout"] += [r for r, _, _ in ours]
       times["rljax_update"] += [u for _, u, _ in ours]
-      tokens["rljax"] += [n / (PROMPTS * SAMPLES) for _, _, n in ours]
+      tokens["rljax"] += [n for _, _, n in ours]
       step, gen = times["trl_step"][-k:], times["trl_generate"][-k:]
       ratios["step"].append(statistics.mean(r + u for r, u, _ in ours) / statistics.mean(step))
       ratios["rollout"].append(statistics.mean(r for r, _, _ in ours) / statistics.mean(gen))

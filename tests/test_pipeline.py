@@ -568,6 +568,81 @@ def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_p
   assert json_line({"m": float("nan"), "n": None}) == '{"m": "NaN", "n": null}'
 
 
+def _tiny_lockstep_config(**rl):
+  """test_a_nan_logprob...'s model, numerics and batch (the same programs), no SFT."""
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.numerics = "deterministic"
+  config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, moe_intermediate_size=16,
+                           intermediate_size=32))
+  config.rl.update(dict(prompts_per_step=2, group_size=2, **rl))
+  config.eval.num_tasks = 2
+  config.sft.steps = 0
+  config.log.tensorboard = False
+  return config
+
+
+def test_on_step_gets_each_evaluation_and_returning_false_stops_the_run_cleanly(tmp_path):
+  from rljax.pipeline import lockstep  # pylint: disable=import-outside-toplevel
+  config = _tiny_lockstep_config(steps=5)
+  config.eval.every = 1
+  seen = []
+
+  def on_step(record):
+    seen.append(record)
+    return record["step"] < 2  # False after the second step: stop there
+
+  summary = lockstep.run_experiment(config, str(tmp_path), on_step=on_step)
+  assert [r["step"] for r in seen] == [1, 2]
+  records = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  evals = [r for r in records if r["phase"] == "eval"]
+  assert [r["step"] for r in evals] == [0, 0, 1, 2, 2]  # init, before, step1, step2, after
+  for r, logged in zip(seen, evals[2:4]):  # each step's evaluation, as logged
+    assert r["eval"]["name"] == f"step{r['step']}"
+    assert {k: v for k, v in r["eval"].items() if k != "name"} == {
+        k: v for k, v in logged.items() if k not in ("phase", "step")}
+  assert [r["step"] for r in records if r["phase"] == "grpo"] == [1, 2]
+  # stopped cleanly: the final evaluation, the final params and the summary of 2 steps
+  assert summary["steps"] == 2 and records[-1]["phase"] == "summary"
+  assert records[-1]["steps"] == 2
+  assert (tmp_path / "final_params").exists() and (tmp_path / "reward_curve.png").exists()
+
+
+def test_max_steps_runs_the_first_steps_and_the_public_step_is_the_loops(tmp_path, monkeypatch):
+  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
+  config = _tiny_lockstep_config(steps=10)
+  config.eval.every = 0
+  run = core.setup(build(config), str(tmp_path))
+  calls, horizons = [], []
+  generate = lockstep.generate_groups
+
+  def counting_generate(engine, env, tasks, **kw):
+    calls.append((kw["first_request_id"], [t.task_id for t in tasks]))
+    return generate(engine, env, tasks, **kw)
+
+  monkeypatch.setattr(lockstep, "generate_groups", counting_generate)
+  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
+      setattr(run, "version", run.version + 1), {"loss": 0.0})[1])  # the update: not ours
+  grpo_learner = core.grpo_learner
+  monkeypatch.setattr(core, "grpo_learner", lambda run: (
+      horizons.append(run.config.rl.steps), grpo_learner(run))[1])
+  out = lockstep.grpo(run, max_steps=3)
+  assert out["steps"] == 3 and out["evals"] == [] and horizons == [10]  # rl.steps' schedule
+  assert [r["step"] for r in read_jsonl(run.log.jsonl_path) if r["phase"] == "grpo"] == [1, 2, 3]
+  by_loop, calls[:] = list(calls), []
+  # by hand: the same request ids and tasks, step by step
+  run.version = 0
+  loop = lockstep.start(run)
+  records = [lockstep.step(run, loop) for _ in range(3)]
+  assert calls == by_loop and [r["step"] for r in records] == [1, 2, 3]
+  assert loop.steps == 3 and loop.next_request == 6
+  assert records[0]["groups_sampled"] == 2 and "success_frac" in records[0]
+  # an on_step that returns False ends the loop after its step; None goes on
+  assert lockstep.grpo(run, on_step=lambda r: None if r["step"] < 5 else False)["steps"] == 2
+
+
 def test_rollout_stats_estimate_the_sampling_entropy_over_policy_tokens_only():
   from rljax.pipeline.core import rollout_stats  # pylint: disable=g-import-not-at-top
 

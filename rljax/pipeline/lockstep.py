@@ -16,10 +16,15 @@ failure of each kind was logged with its traceback). Held-out evaluation (greedy
 init, after SFT ("before"), every `eval.every` steps and at the end ("after"). Metrics go
 to `<workdir>/metrics.jsonl` and TensorBoard; the reward curve to
 `<workdir>/reward_curve.png`.
+
+A loop of one's own: `loop = start(run)` (the learner, the task stream, the request
+ids), then `record = step(run, loop)` per step (one rollout, one update; `grpo` is a
+loop over it), `core.run_eval(run, run.version, name)` between steps where wanted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -30,68 +35,117 @@ import jax
 import ml_collections
 
 from rljax import distributed
+from rljax.envs.base import Task
 from rljax.pipeline import core
 from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
 from rljax.pipeline.run import LOCKSTEP, build
 
 
-def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
-         on_step: Callable[[dict], None] | None = None) -> dict:
-  """`rl.steps` synchronous GRPO steps; returns run totals: rl_wall_s (the loop, evals
-  between steps included) and ttb_s (mean time-to-trainable-batch: a step's rollout)."""
-  start = time.perf_counter()
+@dataclasses.dataclass
+class Loop:
+  """What the lockstep loop carries from one step to the next, beside `run` (which holds
+  the train state, the engine and the version): made by `start`, advanced by `step`."""
+
+  learner: core.GrpoLearner
+  tasks: Iterator[Task]  # the train tasks, drawn in order (`core.task_stream`)
+  next_request: int = 0  # the first request id of the next rollout (seeds its sampling)
+  steps: int = 0  # steps run
+
+
+def start(run: core.Run) -> Loop:
+  """The GRPO learner of `rl` on run.state and the task stream of `rl.num_tasks`. The
+  optimizer's lr schedule spans `rl.steps` however many steps are then run."""
   c = run.config.rl
-  grpo_state = core.grpo_learner(run)
-  tasks = core.task_stream(run.env, c.num_tasks, run.config.seed)
-  e = run.config.eval
+  return Loop(core.grpo_learner(run), core.task_stream(run.env, c.num_tasks, run.config.seed))
+
+
+def rollout(run: core.Run, loop: Loop) -> tuple[list, list]:
+  """`rl.prompts_per_step` scored groups sampled with the engine's weights (version
+  run.version): (the groups to train on, every trajectory sampled). DAPO dynamic sampling
+  (`rl.dynamic_sampling_rounds` > 1): a group whose rewards all tie has no advantage;
+  fresh prompts (twice as many as missing) replace it, and the last round fills what is
+  still missing with whatever it drew."""
+  c = run.config.rl
   rounds = c.dynamic_sampling_rounds
-  next_request = 0
-  for step in progress(range(1, c.steps + 1)):
-    t0 = time.perf_counter()
-    groups, sampled = [], []
-    for round_ in range(1, rounds + 1):
-      # DAPO dynamic sampling (rounds > 1): a group whose rewards all tie has no
-      # advantage; fresh prompts (twice as many as missing) replace it, and the last round
-      # fills what is still missing with whatever it drew
-      need = c.prompts_per_step - len(groups)
-      n = need if rounds == 1 else 2 * need
-      drawn = generate_groups(run.engine, run.env, list(itertools.islice(tasks, n)),
-                              group_size=c.group_size, sampling=run.built.sampling,
-                              seed=run.config.seed, first_request_id=next_request,
-                              failures=run.failures)
-      next_request += n
-      sampled += [t for g in drawn for t in g.trajectories]
-      drawn.sort(key=lambda g: not core.has_signal(g.trajectories, c.overlong))  # signal first
-      groups += [g for g in drawn
-                 if round_ == rounds or core.has_signal(g.trajectories, c.overlong)][:need]
-      if len(groups) == c.prompts_per_step:
-        break
-    t1 = time.perf_counter()
-    metrics = core.train_on_groups(run, grpo_state, [g.trajectories for g in groups])
-    t2 = time.perf_counter()
-    run.engine.update_weights(run.serve(run.state), run.version)
-    run.timings["rollout_s"] += t1 - t0
-    run.timings["train_s"] += t2 - t1
-    stats = core.rollout_stats(sampled)
-    record = run.log.write("grpo", run.version, metrics | stats | {
-        **core.train_collapse(run, run.version, stats["success_frac"]),
-        "groups_sampled": len(sampled) // c.group_size,
-        "rollout_s": t1 - t0, "train_s": t2 - t1,
-        "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
-    if on_step is not None:
-      on_step(record)
-    # every episode an infra failure for rl.max_all_infra_updates updates: stop, loudly
-    core.watch_rollouts(run, run.version, stats)
-    if e.every and step % e.every == 0 and step != c.steps:
-      core.run_eval(run, run.version, f"step{step}")
-  return {"steps": c.steps, "rl_wall_s": round(time.perf_counter() - start, 2),
-          "ttb_s": round(run.timings["rollout_s"] / max(c.steps, 1), 3)}
+  groups, sampled = [], []
+  for round_ in range(1, rounds + 1):
+    need = c.prompts_per_step - len(groups)
+    n = need if rounds == 1 else 2 * need
+    drawn = generate_groups(run.engine, run.env, list(itertools.islice(loop.tasks, n)),
+                            group_size=c.group_size, sampling=run.built.sampling,
+                            seed=run.config.seed, first_request_id=loop.next_request,
+                            failures=run.failures)
+    loop.next_request += n
+    sampled += [t for g in drawn for t in g.trajectories]
+    drawn.sort(key=lambda g: not core.has_signal(g.trajectories, c.overlong))  # signal first
+    groups += [g for g in drawn
+               if round_ == rounds or core.has_signal(g.trajectories, c.overlong)][:need]
+    if len(groups) == c.prompts_per_step:
+      break
+  return groups, sampled
+
+
+def step(run: core.Run, loop: Loop) -> dict:
+  """One GRPO step: a rollout with version v (`rollout`), one update (`core.train_on_groups`),
+  the engine gets v + 1. Writes the step's `grpo` record (the update's metrics, the
+  rollout's stats, the collapse alarm, times) and returns it. Raises
+  `core.AllInfraFailures` (after writing a `stopped` record) when every episode of
+  `rl.max_all_infra_updates` consecutive updates was an infra failure."""
+  c = run.config.rl
+  t0 = time.perf_counter()
+  groups, sampled = rollout(run, loop)
+  t1 = time.perf_counter()
+  metrics = core.train_on_groups(run, loop.learner, [g.trajectories for g in groups])
+  t2 = time.perf_counter()
+  run.engine.update_weights(run.serve(run.state), run.version)
+  loop.steps += 1
+  run.timings["rollout_s"] += t1 - t0
+  run.timings["train_s"] += t2 - t1
+  stats = core.rollout_stats(sampled)
+  record = run.log.write("grpo", run.version, metrics | stats | {
+      **core.train_collapse(run, run.version, stats["success_frac"]),
+      "groups_sampled": len(sampled) // c.group_size,
+      "rollout_s": t1 - t0, "train_s": t2 - t1,
+      "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
+  core.watch_rollouts(run, run.version, stats)  # all infra failures too long: stop, loudly
+  return record
+
+
+def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
+         on_step: Callable[[dict], bool | None] | None = None,
+         max_steps: int | None = None) -> dict:
+  """GRPO steps (`step`) until `rl.steps`, `max_steps` (fewer steps on `rl.steps`' lr
+  schedule) or an `on_step` that returns False (the loop ends after that step). A step
+  that `eval.every` divides, the last one to run aside (the caller's final evaluation
+  covers it), evaluates on the held-out tasks after its update. `on_step(record)`: the
+  step's `grpo` record, with `"eval"` (that evaluation's record) on a step that
+  evaluated. Returns `steps` (steps run), `evals` (the loop's evaluation records),
+  rl_wall_s (the loop, evaluations included) and ttb_s (mean time-to-trainable-batch:
+  a step's rollout)."""
+  t0 = time.perf_counter()
+  last = run.config.rl.steps if max_steps is None else min(max_steps, run.config.rl.steps)
+  every = run.config.eval.every
+  loop, evals = start(run), []
+  for i in progress(range(1, last + 1)):
+    record = step(run, loop)
+    if every and i % every == 0 and i != last:
+      evals.append(core.run_eval(run, run.version, f"step{i}"))
+      record = record | {"eval": evals[-1]}
+    if on_step is not None and on_step(record) is False:
+      break
+  return {"steps": loop.steps, "evals": evals,
+          "rl_wall_s": round(time.perf_counter() - t0, 2),
+          "ttb_s": round(run.timings["rollout_s"] / max(loop.steps, 1), 3)}
 
 
 def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
-                   progress: Callable[..., Iterator] | None = None) -> dict:
-  """The whole lockstep experiment; returns the summary (also the last JSONL record)."""
+                   progress: Callable[..., Iterator] | None = None,
+                   on_step: Callable[[dict], bool | None] | None = None,
+                   max_steps: int | None = None) -> dict:
+  """The whole lockstep experiment; returns the summary (also the last JSONL record).
+  `on_step`, `max_steps`: `grpo`'s; a loop stopped early still ends with the final
+  evaluation, `final_params` and the summary (its `steps`: the steps run)."""
   t0 = time.perf_counter()
   bar = progress or (lambda it, **_: iter(it))
   sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
@@ -113,7 +167,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   evals = [core.run_eval(run, 0, "init")]
   extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
   evals.append(core.run_eval(run, 0, "before"))
-  extra |= grpo(run, functools.partial(bar, desc="grpo"))
+  out = grpo(run, functools.partial(bar, desc="grpo"), on_step=on_step, max_steps=max_steps)
+  evals += out.pop("evals")
+  extra |= out
   evals.append(core.run_eval(run, run.version, "after"))
   core.save_params(run, final_dir)  # experiments/export_hf.py --params=final_dir
   extra["final_params"] = final_dir
