@@ -26,21 +26,12 @@ named by `--base_model`.
 """
 
 import json
-import tempfile
 
 from absl import app, flags, logging
-import jax
-import jax.numpy as jnp
 from ml_collections import config_flags
 
 from rljax import numerics
-from rljax.checkpoint import Checkpointer
-from rljax.model import abstract_params, count_params
-from rljax.model.hf_export import export_hf
-from rljax.model.lora_export import export_peft
-from rljax.pipeline import adapter_stream
-from rljax.pipeline.run import MODEL_ONLY, build, hf_tokenizer_dir, init_from_hf, make_tokenizer
-from rljax.rl import learner
+from rljax.pipeline import export
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py",
                                           "the run's config", lock_config=True)
@@ -57,20 +48,6 @@ _BASE_MODEL = flags.DEFINE_string("base_model", None, "--peft: the base HF check
                                   "adapter_config.json (default: init_from's, if no SFT)")
 
 
-def _base_model(config) -> str:
-  """adapter_config.json's base_model_name_or_path: --base_model, else init_from's
-  directory where the frozen base is its weights (the run had no SFT warm start)."""
-  if _BASE_MODEL.value is not None:
-    return _BASE_MODEL.value
-  sft = config.get("sft")
-  hf_dir = init_from_hf(config)
-  if hf_dir is None or (sft is not None and (sft.steps or sft.load)):
-    raise app.UsageError("--peft: the run's frozen base is not an HF checkpoint (an SFT warm "
-                         "start or a random init): export it with --params=<trainer dir>/"
-                         "lora_base and name that directory with --base_model")
-  return hf_dir
-
-
 def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore step at INFO
@@ -80,46 +57,17 @@ def main(argv):
     raise app.UsageError("give exactly one of --params and --checkpoint")
   config = _CONFIG.value
   numerics.set_up_process(config.numerics)
-  # the model; the rl block's optimizer for a train state (no env: no verifier processes)
-  built = build(config, MODEL_ONLY + (("rl",) if _CHECKPOINT.value else ()), devices=False)
-  cfg = built.cfg
-  if _PEFT.value:
-    if built.lora is None or _CHECKPOINT.value is None:
-      raise app.UsageError("--peft writes a config.lora run's adapters: give its config and "
-                           "--checkpoint (the trainer's checkpoints)")
-    base_model = _base_model(config)
-    adapters = adapter_stream.adapters_from_checkpoint(built, _CHECKPOINT.value, _STEP.value)
-    files = export_peft(adapters, cfg, built.lora, _OUT.value, dtype=_DTYPE.value,
-                        base_model_name_or_path=base_model)
-    print(json.dumps({"out": _OUT.value, "files": files, "base_model": base_model,
-                      "dtype": str(jnp.dtype(_DTYPE.value or jnp.float32)),
-                      "adapter_params": count_params(adapters)}))
-    return
-  params_abstract = abstract_params(cfg, jnp.float32)
-  if _PARAMS.value is not None:
-    with Checkpointer(_PARAMS.value, keep_last=1) as ckpt:
-      params = ckpt.restore({"params": params_abstract}, _STEP.value).state["params"]
-  elif built.lora is not None:  # an async LoRA run's adapters, merged into its base
-    params = adapter_stream.merged_from_checkpoint(built, _CHECKPOINT.value, _STEP.value)
-  else:
-    optimizer = built.rl_optimizer()
-    target = learner.TrainState(params_abstract, jax.eval_shape(optimizer.init, params_abstract),
-                                jax.ShapeDtypeStruct((), jnp.int32))
-    with Checkpointer(_CHECKPOINT.value, keep_last=1) as ckpt:
-      params = ckpt.restore({"state": target}, _STEP.value).state["state"].params
-  dtype = _DTYPE.value or cfg.param_dtype
-  tokenizer = make_tokenizer(config)
-  with tempfile.TemporaryDirectory() as tmp:
-    tokenizer_dir = _TOKENIZER_DIR.value or hf_tokenizer_dir(config)
-    extra = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id,
-             "pad_token_id": tokenizer.pad_id}
-    if tokenizer_dir is None:  # the char tokenizer, in HF form
-      tokenizer.to_hf(cfg.vocab_size).save_pretrained(tmp)
-      tokenizer_dir = tmp
-    files = export_hf(params, cfg, _OUT.value, dtype=dtype, tokenizer_dir=tokenizer_dir,
-                      config_extra=extra)
-  print(json.dumps({"out": _OUT.value, "files": files, "dtype": str(jnp.dtype(dtype)),
-                    "params": count_params(params)}))
+  try:
+    if _PEFT.value:
+      out = export.export_adapters(config, _OUT.value, _CHECKPOINT.value, step=_STEP.value,
+                                   dtype=_DTYPE.value, base_model=_BASE_MODEL.value)
+    else:
+      out = export.export_model(config, _OUT.value, params_dir=_PARAMS.value,
+                                checkpoint_dir=_CHECKPOINT.value, step=_STEP.value,
+                                dtype=_DTYPE.value, tokenizer_dir=_TOKENIZER_DIR.value)
+  except export.ExportError as e:
+    raise app.UsageError(str(e)) from None
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from rljax import compile_cache, distributed, numerics
 from rljax.pipeline import launch, layout
-from rljax.pipeline.async_loop import run_async
 from rljax.pipeline.metrics import json_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
@@ -60,19 +59,9 @@ def main(argv):
   n_hosts = config.async_rl.hosts if _HOSTS.value is None else _HOSTS.value
   bar = (lambda it, desc: tqdm(it, desc=desc, file=sys.stderr, mininterval=2.0)) \
       if _PROGRESS.value and primary else None
-  hosts = []
-  try:
-    summary = run_async(config, workdir, root, progress=bar, resume=_RESUME.value,
-                        on_started=lambda: hosts.extend(launch.start_hosts(root, n_hosts,
-                                                                           workdir)))
-  except BaseException:
-    for proc in hosts:
-      proc.kill()
-    raise
-  summary["workdir"] = workdir
-  exit_codes = launch.stop_hosts(hosts)
+  summary = launch.run_with_hosts(config, workdir, root, n_hosts, progress=bar,
+                                  resume=_RESUME.value)
   if primary:
-    summary["host_exit_codes"] = exit_codes
     print(launch.summary_table(summary))
   print(json_line(summary), flush=True)
 

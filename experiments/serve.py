@@ -15,25 +15,22 @@ is written there as `group_<n>.npz` (`pipeline/npz.py`: the header names the gro
 its episodes, the arrays are `pipeline/wire.py`'s), what a trainer reads like any other
 group; registering more than --group_size episodes in a group is a 409 `group_full`.
 Requests' `tools` are rendered by the checkpoint's chat template and the model's calls
-returned as `message.tool_calls`, read by --tool_parser. Binds 127.0.0.1 unless --host says otherwise (there is no authentication).
+returned as `message.tool_calls`, read by --tool_parser. Binds 127.0.0.1 unless --host
+says otherwise (there is no authentication).
 Prints one JSON object when it stops (--max_seconds, or Ctrl-C).
 """
 
 import json
-import os
 import time
 
-from absl import app, flags, logging
-import jax
-import jax.numpy as jnp
+from absl import app, flags
 from ml_collections import config_flags
 
 from rljax import compile_cache, numerics
-from rljax.model import init_sharded
-from rljax.model.hf_import import load_hf_params
-from rljax.pipeline import npz, wire
+from rljax.pipeline.core import initial_params
+from rljax.pipeline.run import build
 from rljax.serving import Endpoint
-from rljax.pipeline.run import build, init_from_hf
+from rljax.serving.group_files import write_groups
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/arith_tiny.py", "experiment config",
                                           lock_config=True)
@@ -56,37 +53,16 @@ def main(argv):
   numerics.set_up_process(config.numerics)  # before anything starts JAX's backend
   compile_cache.enable_from_flags()
   built = build(config, ("model", "env", "engine", "rl"))
-  hf_dir = init_from_hf(config)
-  if hf_dir is None:
-    params = init_sharded(built.cfg, config.seed, None, dtype=jnp.float32)
-  else:
-    params = load_hf_params(hf_dir, built.cfg)
-  params = jax.tree.map(lambda x: x.astype(built.cfg.param_dtype), params)
-  engine = built.make_engine(params, sharding=built.engine_sharding())
-  group_size = _GROUP_SIZE.value or config.rl.group_size
+  engine = built.make_engine(initial_params(built, built.cfg.param_dtype),
+                             sharding=built.engine_sharding())
   seed = config.seed if _SEED.value is None else _SEED.value
-  written = 0
   t0 = time.monotonic()
   with Endpoint(engine, built.env.tokenizer, sampling=built.sampling, seed=seed,
                 model_name=config.name, host=_HOST.value, port=_PORT.value,
-                group_size=group_size, tool_parser=_TOOL_PARSER.value) as endpoint:
+                group_size=_GROUP_SIZE.value or config.rl.group_size,
+                tool_parser=_TOOL_PARSER.value) as endpoint:
     print(json.dumps({"url": endpoint.url, "model": config.name}), flush=True)
-    if _GROUPS_DIR.value:
-      os.makedirs(_GROUPS_DIR.value, exist_ok=True)
-    try:
-      while _MAX_SECONDS.value is None or time.monotonic() - t0 < _MAX_SECONDS.value:
-        for group in endpoint.take_groups(wait_for=1, timeout_s=1.0):
-          if not _GROUPS_DIR.value:
-            continue
-          header = {"group_id": group.task.task_id, "index": group.request_id,
-                    "episode_ids": list(group.task.data["episode_ids"])}
-          path = os.path.join(_GROUPS_DIR.value, f"group_{group.request_id}.npz")
-          with open(path + ".tmp", "wb") as f:
-            f.write(npz.encode(header, wire.group_to_arrays(group.trajectories)))
-          os.replace(path + ".tmp", path)
-          written += 1
-    except KeyboardInterrupt:
-      logging.info("interrupted")
+    written = write_groups(endpoint, _GROUPS_DIR.value, _MAX_SECONDS.value)
     stats = dict(endpoint.stats)
   print(json.dumps({"groups_written": written, "wall_s": round(time.monotonic() - t0, 1),
                     **stats}), flush=True)

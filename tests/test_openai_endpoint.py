@@ -972,3 +972,42 @@ def test_finished_groups_train_like_env_groups(served, concurrent_groups):
   assert np.isfinite(float(metrics["loss"])) and run.version == 1
   assert all(t.finish_reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP)
              for g in decoded for t in g)
+
+
+def test_complete_groups_are_written_as_npz_files_a_trainer_reads(tmp_path):
+  """experiments/serve.py --groups_dir: each group taken from the endpoint is one
+  group_<n>.npz (header: group, index, episode ids; arrays: the wire's, bit for bit)."""
+  from rljax.envs.base import Task  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import npz  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.rollout import Group  # pylint: disable=import-outside-toplevel
+  from rljax.rl.trajectory import Trajectory  # pylint: disable=import-outside-toplevel
+  from rljax.serving.group_files import write_group, write_groups  # pylint: disable=import-outside-toplevel
+  trajs = []
+  for i, reward in enumerate((1.0, 0.0)):
+    t = Trajectory(np.array([5, 6, 7], np.int32), np.array([8, 9 + i], np.int32),
+                   np.array([True, False]), np.array([-0.5, 0.0], np.float32),
+                   np.array([3, -1], np.int32), None, FinishReason.EOS, sample_index=i)
+    t.reward, t.outcome = reward, Outcome.SUCCESS if reward else Outcome.MODEL_FAILURE
+    trajs.append(t)
+  task = Task(env="endpoint", task_id="g7", split_key="", prompt_ids=trajs[0].prompt_ids,
+              answer=None, data={"episode_ids": ["a", "b"]})
+  group = Group(task, trajs, request_id=4)
+  path = write_group(str(tmp_path), group)
+  assert path == str(tmp_path / "group_4.npz") and sorted(p.name for p in tmp_path.iterdir()) == [
+      "group_4.npz"]  # no .tmp left
+  header, arrays = npz.decode((tmp_path / "group_4.npz").read_bytes())
+  assert header == {"group_id": "g7", "index": 4, "episode_ids": ["a", "b"]}
+  chex.assert_trees_all_equal(arrays, wire.group_to_arrays(trajs))
+
+  class Taken:  # an endpoint whose groups finish one per take, then none
+    def __init__(self, groups):
+      self.groups = list(groups)
+
+    def take_groups(self, wait_for, timeout_s):
+      assert (wait_for, timeout_s) == (1, 1.0)
+      return [self.groups.pop(0)] if self.groups else []
+
+  second = dataclasses.replace(group, request_id=5)
+  assert write_groups(Taken([group, second]), str(tmp_path / "out"), max_seconds=0.5) == 2
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["group_4.npz", "group_5.npz"]
+  assert write_groups(Taken([group]), "", max_seconds=0.1) == 0  # no directory: dropped

@@ -7,13 +7,15 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   rollout, evaluate        episodes on the engine; held-out pass@k
   run                      build(config): the one place a config becomes objects
   adapter_stream           config.lora on the root: the base once, the adapters each version
+  export                   trained weights as an HF checkpoint, adapters as a PEFT adapter
   core                     what both loops share: Run, SFT, evaluation, one GRPO update
   fidelity                 re-scoring tokens with the version that sampled them
   lockstep                 the lockstep loop (rollout, then update, in one process)
-  host, launch             an async rollout host; starting host processes
+  host                     an async rollout host
   async_loop               the async trainer
+  launch                   the async trainer with rollout-host processes started beside it
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
-          "run", "adapter_stream", "core", "fidelity", "lockstep", "host", "launch",
-          "async_loop")
+          "run", "adapter_stream", "export", "core", "fidelity", "lockstep", "host",
+          "async_loop", "launch")

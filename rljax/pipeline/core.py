@@ -194,6 +194,21 @@ class Run:
                 num_rows=rows_for(num_seqs, self.max_seq_len, row_len, self.cfg.page_size))
 
 
+def initial_params(built: Built, dtype: Any = jnp.float32) -> Any:
+  """The run's params before any training, as `dtype`: `config.init_from`'s checkpoint
+  (read as `dtype`, each device's shard from the files, no random init first), else a
+  random init from `config.seed` (drawn in f32, then cast); on `built.sharding` (None: one
+  device)."""
+  cfg, sharding = built.cfg, built.sharding
+  hf_dir = init_from_hf(built.config)
+  if hf_dir is None:
+    params = init_sharded(cfg, built.config.seed, sharding, dtype=jnp.float32)
+    return (params if jnp.dtype(dtype) == jnp.float32
+            else jax.tree.map(lambda x: x.astype(dtype), params))
+  return load_hf_params(hf_dir, cfg, dtype,
+                        None if sharding is None else param_shardings(cfg, sharding))
+
+
 def setup(built: Built, workdir: str, *, engine: bool = True) -> Run:
   """The run's held-out tasks, initial params, engine and metrics logger. `engine=False`:
   no DecodeEngine. The engine runs on the trainer's mesh with the decode rules
@@ -202,12 +217,7 @@ def setup(built: Built, workdir: str, *, engine: bool = True) -> Run:
   process drives in lockstep; records are written by process 0 only."""
   config, cfg = built.config, built.cfg
   heldout = built.env.prompts("held_out", config.eval.num_tasks, config.eval.seed)
-  hf_dir = init_from_hf(config)
-  if hf_dir is None:
-    params = init_sharded(cfg, config.seed, built.sharding, dtype=jnp.float32)
-  else:  # each device's shard read from the files, no random init first
-    params = load_hf_params(hf_dir, cfg, jnp.float32, None if built.sharding is None
-                            else param_shardings(cfg, built.sharding))
+  params = initial_params(built)
   serve = jax.jit(lambda state: learner.serving_params(state, cfg))
   state = params_only(params)
   decode = (built.make_engine(serve(state), sharding=built.trainer_engine_sharding())

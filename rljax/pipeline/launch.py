@@ -1,12 +1,18 @@
 """What `experiments/pipeline.py` does around the async trainer: start local rollout-host
-processes with the same config (and compile cache) flags, and print the run's summary
-table."""
+processes with the same config (and compile cache) flags (`run_with_hosts`), and print the
+run's summary table."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from typing import Callable, Iterator
+
+import ml_collections
+
+from rljax import distributed
+from rljax.pipeline.async_loop import run_async
 
 HOST_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "experiments", "rollout_host.py")
@@ -47,6 +53,27 @@ def stop_hosts(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> list[i
       proc.kill()
       proc.wait()
   return [proc.returncode for proc in procs]
+
+
+def run_with_hosts(config: ml_collections.ConfigDict, workdir: str, root: str, n_hosts: int, *,
+                   progress: Callable[..., Iterator] | None = None,
+                   resume: bool = False) -> dict:
+  """The async trainer (`run_async`) with `n_hosts` rollout-host processes started here
+  once version 0 is published: killed if the trainer fails, else waited for (they exit
+  on run/done). Returns the summary with `workdir` and (process 0) `host_exit_codes`."""
+  hosts = []
+  try:
+    summary = run_async(config, workdir, root, progress=progress, resume=resume,
+                        on_started=lambda: hosts.extend(start_hosts(root, n_hosts, workdir)))
+  except BaseException:
+    for proc in hosts:
+      proc.kill()
+    raise
+  summary["workdir"] = workdir
+  exit_codes = stop_hosts(hosts)
+  if distributed.is_primary():
+    summary["host_exit_codes"] = exit_codes
+  return summary
 
 
 def summary_table(summary: dict) -> str:

@@ -133,7 +133,9 @@ Modules: `api` (OpenAI schema: errors, messages, parameters), `server` (the HTTP
 `episodes` (episode records, registration, groups), `deliveries` (retries, undelivered
 replies, rollbacks), `owner` (the engine-owner thread), `render` (a call's history against
 the record, the chat template, ids to text, stop strings), `tools` (tools and tool-call
-parsers), `stream` (server-sent events), `endpoint` (`Endpoint`, tying them together).
+parsers), `stream` (server-sent events), `endpoint` (`Endpoint`, tying them together),
+`group_files` (taken groups as `.npz` files a trainer reads: `write_group`,
+`write_groups`, experiments/serve.py's loop).
 """
 
 from rljax.serving.api import ApiError
