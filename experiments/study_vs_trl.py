@@ -88,8 +88,8 @@ TRL_SETTINGS = {
 # rljax settings: overrides of configs/arith_tiny.py's blocks (on top of the workload below)
 SETTINGS = {
     "default": {},
-    # the default recipe before signal-scaled updates
-    "v1": {"rl.signal_scaled_updates": False},
+    # the default recipe before signal-scaled updates (and step clipping)
+    "v1": {"rl.signal_scaled_updates": False, "rl.step_clip_norm": 0.0},
     "lr1e-4_const": {"rl.learning_rate": 1e-4, "rl.warmup_steps": 0, "rl.final_lr_frac": 1.0},
     "f32": {"model.dtype": "float32", "model.param_dtype": "float32"},
     "clip0.2": {"rl.loss.clip_high": 0.2},
@@ -116,6 +116,8 @@ SETTINGS = {
     # stay below ~3 (study_recipe), this start's are 5-25
     "stepclip3": {"rl.step_clip_norm": 3.0},
     "stepclip1": {"rl.step_clip_norm": 1.0},
+    # the default recipe before step_clip_norm (1.0) was on
+    "no_stepclip": {"rl.step_clip_norm": 0.0},
 }
 
 
