@@ -51,10 +51,10 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519
     "test_lora_stream.py",  # ~190 (its tests' first runs, load 3-4), 84 with a warm cache
     "test_model_invariance.py", "test_scan_layers.py", "test_rollout_host.py",  # 175-111
     "test_engine_sharded.py", "test_own_checkpoint_e2e.py", "test_learning.py",  # 110-91
+    "test_learning_external.py",  # ~100 (2 x 30 GRPO steps from shipped starts)
     "test_python_tool_env.py", "test_openai_endpoint.py",  # ~150, ~100
     "test_agent_harnesses.py",  # ~30-60 (verifiers, openai-agents, smolagents + a GRPO step)
     "test_hf_import.py", "test_device_check.py",  # 73, ~90 (3 subprocess runs)
-    "test_learning_external.py",  # ~60 (30 GRPO steps from a shipped start)
     "test_batch_parts.py",  # 49-51
 )
 
