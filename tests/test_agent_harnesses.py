@@ -73,28 +73,34 @@ def _finish_group(run, endpoint, name, episodes, rewards):
 # ---- verifiers -------------------------------------------------------------------------
 
 
-def test_verifiers_tool_env_rolls_out_through_the_endpoint(served):
+def add(a: int, b: int) -> int:
+  """Adds two integers.
+
+  Args:
+      a: the first
+      b: the second
+  """
+  return a + b
+
+
+def _verifiers_tool_env(reward_fn):
+  """verifiers' ToolEnv with the `add` tool on one question, scored by `reward_fn`."""
   import verifiers as vf  # pylint: disable=import-outside-toplevel
   from datasets import Dataset  # pylint: disable=import-outside-toplevel
+  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
+  return vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=3,
+                    system_prompt=SHORT, rubric=vf.Rubric(funcs=[reward_fn]))
+
+
+def test_verifiers_tool_env_rolls_out_through_the_endpoint(served):
   from verifiers.clients import OpenAIChatCompletionsClient  # pylint: disable=import-outside-toplevel
   run, endpoint = served
-
-  def add(a: int, b: int) -> int:
-    """Adds two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
 
   def correct(completion, answer, **kwargs) -> float:
     text = " ".join(str(m.get("content") or "") for m in completion if m["role"] == "assistant")
     return float(answer in text)
 
-  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
-  env = vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=3,
-                   system_prompt=SHORT, rubric=vf.Rubric(funcs=[correct]))
+  env = _verifiers_tool_env(correct)
   inputs = env.get_eval_dataset(n=1).to_list()
   episodes = [f"vf-{k}" for k in range(2)]
 
@@ -121,28 +127,15 @@ def test_verifiers_run_group_names_its_rollouts_through_its_client_config(served
   # rollout's calls carry its trajectory_id (extra_headers_from_state) and the group's
   # X-Group-Id (extra_headers): the endpoint registers each id in the group on its first
   # call, and the group is complete when the rollouts are finished with the rubric's rewards
-  import verifiers as vf  # pylint: disable=import-outside-toplevel
-  from datasets import Dataset  # pylint: disable=import-outside-toplevel
   from verifiers.types import ClientConfig  # pylint: disable=import-outside-toplevel
   run, endpoint = served
   before = endpoint.stats["registered_on_first_use"]
-
-  def add(a: int, b: int) -> int:
-    """Adds two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
 
   def correct(completion, answer, **kwargs) -> float:
     text = " ".join(str(m.get("content") or "") for m in completion if m["role"] == "assistant")
     return float(answer in text) + 0.5 * len(text) / 100  # rollouts differ: a signal
 
-  dataset = Dataset.from_list([{"question": "What is 12 + 34?", "answer": "46"}])
-  env = vf.ToolEnv(dataset=dataset, eval_dataset=dataset, tools=[add], max_turns=3,
-                   system_prompt=SHORT, rubric=vf.Rubric(funcs=[correct]))
+  env = _verifiers_tool_env(correct)
   config = ClientConfig(api_base_url=f"{endpoint.url}/v1", api_key_var="RLJAX_TEST_NO_KEY",
                         max_retries=0, extra_headers={"X-Group-Id": "verifiers-group"},
                         extra_headers_from_state={"X-Episode-Id": "trajectory_id"})
