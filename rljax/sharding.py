@@ -133,5 +133,22 @@ def constrain(sharding: Sharding | None, x: jax.Array, logical: LogicalAxes,
   return x if sharding is None else sharding.constrain(x, logical, gathered=gathered)
 
 
+def committed(tree: Any) -> Any:
+  """Every leaf a jax.Array committed to the one device it is on (numpy leaves to the
+  default device first); a leaf already placed on a mesh is left as it is.
+
+  jit compiles one program for uncommitted arguments and another for committed ones, and
+  a program's outputs are committed: an engine or a train state made of fresh
+  `jnp.zeros` / numpy leaves compiled each of its programs twice, once before and once
+  after its first update (measured on CPU: 10.7 s for the GRPO step, 2-3 s per engine
+  program)."""
+  def commit(x):
+    x = x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
+    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) and not x.committed:
+      return jax.device_put(x, x.sharding)
+    return x
+  return jax.tree.map(commit, tree)
+
+
 def _is_axes(x: Any) -> bool:
   return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)

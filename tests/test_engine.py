@@ -62,6 +62,14 @@ def _trainer_view(params, cfg, trajs, numerics=DET, temperature=1.0):
   return views
 
 
+def _executables(eng):
+  """Executables the engine's programs hold: one per traced shape, unless a program was
+  compiled again for an argument's placement (fresh pools or params are uncommitted, a
+  program's outputs committed)."""
+  p = eng.programs
+  return sum(f._cache_size() for f in (p.decode, p.prefill, p.sample, p.copy))  # pylint: disable=protected-access
+
+
 def _by_key(trajs):
   return {(t.request_id, t.sample_index): t for t in trajs}
 
@@ -108,6 +116,7 @@ def test_no_recompiles_and_pages_freed(det_runs):
     assert all(v == 1 for k, v in eng.trace_counts.items() if k.startswith("prefill_"))
     assert eng.pool.used_count == 0 and eng.idle, name
     assert eng.max_waste_pages < 1.0
+    assert _executables(eng) == sum(eng.trace_counts.values()), name
   assert len(det_runs["slots3_reversed_1step"][1]) == 24  # 6 groups x 4 through 3 slots
 
 
@@ -188,7 +197,9 @@ def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg,
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL,
+  # committed weights, as a trainer's step hands them over (the pools start uncommitted)
+  params = jax.device_put(tiny_params, jax.devices()[0])
+  eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=4, **POOL,
                      weight_update=policy)
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)
@@ -211,6 +222,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
       assert np.max(np.abs(t.behaviour_logprobs[after] - lp_new[after])) > 0
   if policy == "recompute":
     assert eng.stats["recompute_tokens"] > 0
+  assert _executables(eng) == sum(eng.trace_counts.values())  # new weights: no new programs
 
 
 def test_multi_turn_extension_prefills_only_new_tokens(tiny_cfg, tiny_params):

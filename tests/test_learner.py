@@ -47,7 +47,8 @@ def test_build_batch_aligns_targets_with_behaviour(tiny_cfg, rollouts):
 def test_grpo_step_is_on_policy_bitwise_and_updates(tiny_cfg, tiny_params, rollouts):
   trajs, adv = rollouts
   opt = learner.make_optimizer(1e-3)
-  state = learner.init_state(tiny_params, opt)
+  # committed params, as a checkpoint or an SFT step hands them over
+  state = learner.init_state(jax.device_put(tiny_params, jax.devices()[0]), opt)
   before = jax.tree.map(np.asarray, state.params)
   step = learner.make_grpo_step(tiny_cfg, opt, numerics=DET, loss_cfg=LossConfig())
   new, metrics = step(state, split_microbatches(_batch(tiny_cfg, trajs, adv), 1))
@@ -57,6 +58,10 @@ def test_grpo_step_is_on_policy_bitwise_and_updates(tiny_cfg, tiny_params, rollo
   assert float(metrics["grad_norm"]) > 0
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), new.params, before)
   assert all(jax.tree.leaves(changed))
+  # the next step runs the same executable: a state fresh from init_state (optax's counts
+  # made uncommitted) once compiled the step again for the first step's committed outputs
+  step(new, split_microbatches(_batch(tiny_cfg, trajs, adv), 1))
+  assert step.jitted._cache_size() == 1  # pylint: disable=protected-access
 
 
 def test_masters_between_bf16_values_still_give_zero_mismatch(tiny_cfg, tiny_params):

@@ -193,10 +193,11 @@ class EnginePrograms:
   def empty_pools(self, num_pages: int) -> Pools:
     """Zeroed (k, v) pools, placed by `kv_sharding` when there is one."""
     shape, dtype = self.pool_shape(num_pages), raw_dtype(self.cfg.compute_dtype)
-    return tuple(jnp.zeros(shape, dtype, device=self.kv_sharding) for _ in range(2))
+    return sharding_lib.committed(
+        tuple(jnp.zeros(shape, dtype, device=self.kv_sharding) for _ in range(2)))
 
   def place_params(self, params: Any) -> Any:
-    """Params on the programs' shardings (unchanged without a sharding). Global arrays
+    """Params on the programs' shardings (without one: committed where they are). Global arrays
     on another sharding of the same devices (the trainer's mesh and rules) move by
     device_put's jitted reshard, on device: from the training rules that is an all-gather
     over fsdp, and no device holds more than its block. On a mesh across processes the
@@ -204,7 +205,7 @@ class EnginePrograms:
     per leaf, each with its own collectives: a job once hung for 600 s inside them, both
     processes in the same device_put)."""
     if self.sharding is None:
-      return params
+      return sharding_lib.committed(params)  # the programs compile once, not per placement
     if self._reshard is not None:  # a mesh across processes
       return self._reshard(params)
     return jax.device_put(params, param_shardings(self.cfg, self.sharding))

@@ -85,7 +85,9 @@ def signal_fraction(batches: TrainBatch) -> jax.Array:
 def init_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
   # a copy: the step donates the state, which must not delete the caller's arrays
   params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
-  return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+  # committed: optax's step counts are made uncommitted, the step's outputs are not
+  return sharding_lib.committed(
+      TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32)))
 
 
 def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation,
