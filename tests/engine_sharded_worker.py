@@ -123,7 +123,8 @@ def host_results():
                                  serve_until, small_config)
   from rljax.pipeline.host import RolloutHost
   from rljax.pipeline.layout import publish_fingerprint, stream_url
-  from rljax.pipeline.work_queue import QueueConfig, QueueOwner
+  from rljax.pipeline.queue_owner import QueueOwner
+  from rljax.pipeline.work_queue import QueueConfig
 
   config = small_config()
   config.engine.num_slots = SLOTS

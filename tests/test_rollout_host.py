@@ -25,9 +25,11 @@ from rljax.pipeline import wire
 from rljax.pipeline.host import RolloutHost, RunOver
 from rljax.pipeline.layout import (DONE_KEY, RootUnreachable, probe_root, publish_fingerprint,
                                    status_key, stream_url)
+from rljax.pipeline.queue_client import QueueClient
+from rljax.pipeline.queue_owner import QueueOwner
 from rljax.pipeline.rollout import EpisodeRunner, FailureLog, generate_groups
 from rljax.pipeline.run import ROLLOUT_HOST, build
-from rljax.pipeline.work_queue import QueueClient, QueueConfig, QueueOwner
+from rljax.pipeline.work_queue import QueueConfig
 from rljax.sync import Publisher, Store, StreamError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljax.pipeline.work_queue import (QueueClient, QueueConfig, QueueError, QueueOwner,
-                                       ReadyGroup)
+from rljax.pipeline.queue_client import QueueClient
+from rljax.pipeline.queue_owner import QueueOwner
+from rljax.pipeline.work_queue import QueueConfig, QueueError, ReadyGroup
 from rljax.sync.store import Store
 
 

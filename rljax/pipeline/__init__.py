@@ -2,7 +2,9 @@
 modules before it in `LAYERS` (tests/test_configs.py checks it).
 
   npz, metrics, layout     encodings, run metrics, the storage root's layout
-  wire, work_queue         groups as arrays; the prompt-group work queue on a store
+  wire, work_queue         groups as arrays; the prompt-group work queue's records and keys
+  queue_owner              the queue's trainer end
+  queue_client             the queue's rollout-host end
   lineage                  which groups each async update trained on
   rollout, evaluate        episodes on the engine; held-out pass@k
   run                      build(config): the one place a config becomes objects
@@ -16,6 +18,6 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   launch                   the async trainer with rollout-host processes started beside it
 """
 
-LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "lineage", "rollout", "evaluate",
-          "run", "adapter_stream", "export", "core", "fidelity", "lockstep", "host",
-          "async_loop", "launch")
+LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "queue_owner", "queue_client",
+          "lineage", "rollout", "evaluate", "run", "adapter_stream", "export", "core",
+          "fidelity", "lockstep", "host", "async_loop", "launch")

@@ -91,9 +91,10 @@ from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, publish_f
                                    read_host_status, stream_url, trainer_dir)
 from rljax.pipeline.lineage import Lineage
 from rljax.pipeline.metrics import host_metrics, plot_reward_curve, read_jsonl
+from rljax.pipeline.queue_owner import QueueOwner
 from rljax.pipeline.rollout import log_first_failure
 from rljax.pipeline.run import ASYNC_TRAINER, Built, build
-from rljax.pipeline.work_queue import GroupSpec, QueueConfig, QueueOwner
+from rljax.pipeline.work_queue import GroupSpec, QueueConfig
 from rljax.rl.trajectory import Trajectory
 from rljax.sync.publisher import Publisher
 from rljax.sync.store import Store

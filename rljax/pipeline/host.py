@@ -65,7 +65,7 @@ from rljax.pipeline.layout import (DONE_KEY, FINGERPRINT_KEY, QUEUE_PREFIX, base
                                    check_fingerprint, check_root, status_key, stream_url)
 from rljax.pipeline.rollout import EpisodeRunner, FailureLog, Group
 from rljax.pipeline.run import ROLLOUT_HOST, build
-from rljax.pipeline.work_queue import QueueClient
+from rljax.pipeline.queue_client import QueueClient
 from rljax.rl import learner
 from rljax.sync import manifest as fmt
 from rljax.sync.store import Store
