@@ -221,7 +221,7 @@ def grpo_snapshots(learning_rates=(None, 1e-6)):
   (None = the config's), from one shared SFT warm start."""
   import tempfile  # pylint: disable=import-outside-toplevel
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, lockstep, sft  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.sft.steps = _GRPO_SFT.value
@@ -229,7 +229,7 @@ def grpo_snapshots(learning_rates=(None, 1e-6)):
   config.eval.every = 0
   config.log.tensorboard = False
   run = core.setup(build(config), tempfile.mkdtemp(prefix="bench_delta_grpo_"))
-  core.sft(run)
+  sft.sft(run)
   warm = run.state
   out = {}
   for lr in learning_rates:

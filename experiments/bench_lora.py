@@ -6,7 +6,7 @@ objects from the same random init: full fine-tuning (f32 masters + Adam moments 
 weight) and `config.lora` rank `--rank`, alpha 2 x rank, DEFAULT_TARGETS (the adapters'
 masters and moments; the frozen base in bf16). Each round samples one batch of groups on
 the full run's engine (not timed) and trains both runs on that same batch, in alternating
-order (A B, B A, ...): `train_s` is `core.train_on_groups` (advantages, packing, the
+order (A B, B A, ...): `train_s` is `grpo_update.train_on_groups` (advantages, packing, the
 jitted GRPO step), `update_s` adds the new serving weights into the run's engine (LoRA:
 the merge). The first round (compiles) is left out; the ratios are medians over rounds of
 LoRA / full. Bytes are the live train state's (and LoRA's frozen base) on this process.
@@ -28,7 +28,7 @@ from configs import arith_tiny
 from experiments import machine_info
 from rljax import numerics
 from rljax.model.lora import DEFAULT_TARGETS
-from rljax.pipeline import core
+from rljax.pipeline import core, grpo_update
 from rljax.pipeline.rollout import generate_groups
 from rljax.pipeline.run import LOCKSTEP, build
 
@@ -55,7 +55,7 @@ def tree_bytes(tree) -> int:
 def timed_update(run, learner, groups) -> tuple[float, float]:
   """(train_s, update_s) of one GRPO update on `groups`, serving weights included."""
   t0 = time.perf_counter()
-  core.train_on_groups(run, learner, groups)
+  grpo_update.train_on_groups(run, learner, groups)
   jax.block_until_ready(run.state)
   t1 = time.perf_counter()
   run.engine.update_weights(run.serve(run.state), run.version)
@@ -71,7 +71,7 @@ def main(_):
   for name, c in (("full", full_config), ("lora", lora_config)):
     runs[name] = core.setup(build(c, LOCKSTEP), os.path.join(workdir, name))  # same init
   for name in runs:
-    learners[name] = core.grpo_learner(runs[name])
+    learners[name] = grpo_update.grpo_learner(runs[name])
   full = runs["full"]
   rl = full.config.rl
   tasks = core.task_stream(full.env, rl.num_tasks, full.config.seed)

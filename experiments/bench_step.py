@@ -12,7 +12,7 @@ rljax: the lockstep loop's step (`rljax.pipeline.lockstep.step`, one sampling ro
 the objects `build(config)` makes, in the config's numerics and dtypes (recorded in the
 JSON): `rljax_rollout_s` = its rollout (`generate_groups` on the engine: sampling +
 verify), the record's rollout_s; `rljax_update_s` = the rest of the step:
-`core.train_on_groups` (advantages, packing, the jitted GRPO step), the new serving
+`grpo_update.train_on_groups` (advantages, packing, the jitted GRPO step), the new serving
 weights into the engine, the step's record. The engine has one
 slot per sample (128), as HF `generate` batches all 128. The first step (compiles) is
 reported apart as `rljax_first_step_s`.

@@ -12,9 +12,10 @@ DIR's config.json.)
 Nothing of the model's size is allocated: params, optimizer state, batch and KV pages are
 `jax.ShapeDtypeStruct`s carrying `NamedSharding`s (params from `jax.eval_shape`), and the
 functions lowered are the real ones: `learner.make_grpo_step(...).jitted` with its state
-shardings (as `pipeline.core.grpo_learner` wires it, from `build(config)`) and the engine's decode loop
-(`EnginePrograms(...).decode`, the jitted `steps_per_call`-step program `DecodeEngine` runs,
-on the arguments `EnginePrograms.decode_args` describes, with explicit shardings).
+shardings (as `pipeline.grpo_update.grpo_learner` wires it, from `build(config)`) and the
+engine's decode loop (`EnginePrograms(...).decode`, the jitted `steps_per_call`-step
+program `DecodeEngine` runs, on the arguments `EnginePrograms.decode_args` describes, with
+explicit shardings).
 
 What works in jax 0.10.2 (measured): the mesh is a `jax.sharding.AbstractMesh` of the
 config's shape, so any mesh size lowers on a 1-CPU machine, for any platform
@@ -232,7 +233,7 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
       sharding_lib.DECODE_RULES if decode_rules == "decode" else sharding_lib.RULES)
   mesh_size, decode_size = math.prod(mesh_shape.values()), math.prod(decode_shape.values())
 
-  # ---- train state and step (as pipeline.core.grpo_learner wires them) ----------------
+  # ---- train state and step (as pipeline.grpo_update.grpo_learner wires them) ----------------
   # without an rl block: the learner's defaults (the schedule does not change any shape)
   optimizer = (built.rl_optimizer() if built.loss
                else learner.make_optimizer(optax.linear_schedule(0.0, 1e-6, 10)))

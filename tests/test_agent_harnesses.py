@@ -355,7 +355,7 @@ def test_harnesses_run_their_tools_and_send_the_results_back(served, every_reply
 
 
 def test_the_harnesses_episodes_train_in_one_grpo_update(served):
-  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import grpo_update  # pylint: disable=import-outside-toplevel
   from rljax.pipeline import wire  # pylint: disable=import-outside-toplevel
   run, _ = served
   assert sorted(GROUPS) == ["openai-agents", "smolagents", "verifiers", "verifiers-group"]
@@ -363,7 +363,7 @@ def test_the_harnesses_episodes_train_in_one_grpo_update(served):
   run.config.rl.prompts_per_step = len(GROUPS)
   decoded = [wire.group_from_arrays(wire.group_to_arrays(g.trajectories), g.request_id)
              for g in GROUPS.values()]
-  metrics = core.train_on_groups(run, core.grpo_learner(run), decoded)
+  metrics = grpo_update.train_on_groups(run, grpo_update.grpo_learner(run), decoded)
   sampled = sum(int(t.loss_mask.sum()) for g in decoded for t in g)
   assert metrics["mismatch_tokens"] == sampled and metrics["mismatch_max_abs"] == 0.0
   assert np.isfinite(float(metrics["loss"])) and run.version == 1

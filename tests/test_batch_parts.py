@@ -55,7 +55,7 @@ def test_one_process_is_one_part_and_uneven_parts_are_refused(monkeypatch):
   import jax
   from configs import arith_tiny
   from rljax import sharding as sharding_lib
-  from rljax.pipeline import core
+  from rljax.pipeline import core, grpo_update
   from rljax.pipeline.run import ASYNC_TRAINER, build
   mesh = sharding_lib.Sharding(sharding_lib.make_mesh({"data": 1}, jax.devices()[:1]))
   assert mesh.process_part("batch") == (0, 1)
@@ -63,12 +63,12 @@ def test_one_process_is_one_part_and_uneven_parts_are_refused(monkeypatch):
   config.model.update(SMALL_MODEL)
   built = build(config, ASYNC_TRAINER, devices=False)
   run = core.Run(built, [], None, None, None, None)
-  assert core.batch_part(run) == (0, 1)  # one process: the whole batch
+  assert grpo_update.batch_part(run) == (0, 1)  # one process: the whole batch
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(core, "batch_part", lambda _: (0, 3))
+  monkeypatch.setattr(grpo_update, "batch_part", lambda _: (0, 3))
   object.__setattr__(built, "sharding", mesh)
   with pytest.raises(ValueError, match=r"prompts_per_step=16 groups do not split over the 3"):
-    core.check_batch_parts(run)
+    grpo_update.check_batch_parts(run)
 
 
 # ---------------------------------------------------------------- the worker
@@ -110,7 +110,7 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   import jax.numpy as jnp
   import numpy as np
   from configs import arith_tiny
-  from rljax.pipeline import core
+  from rljax.pipeline import core, grpo_update
   from rljax.pipeline.fidelity import VersionCheck
   from rljax.pipeline.run import ASYNC_TRAINER, build
   from rljax.rl.batch import build_batch, global_batch, split_microbatches
@@ -124,15 +124,15 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   config.log.tensorboard = False
   built = build(config, ASYNC_TRAINER)
   run = core.setup(built, workdir, engine=False)
-  core.check_batch_parts(run)
-  part, parts = core.batch_part(run)
+  grpo_update.check_batch_parts(run)
+  part, parts = grpo_update.batch_part(run)
   groups = _groups(run.cfg, np.random.default_rng(0))
   mine = groups[part * PROMPTS // parts:(part + 1) * PROMPTS // parts]
   per_part = PROMPTS * GROUP // parts
   out = {"part": [part, parts]}
 
-  parted = core.grpo_learner(run)
-  adv = core.advantages_of(run, parted, groups)
+  parted = grpo_update.grpo_learner(run)
+  adv = grpo_update.advantages_of(run, parted, groups)
 
   def part_batch(p, micro):
     """Part p's packed rows, its sequence slots renumbered from its first."""
@@ -164,8 +164,8 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   out["advantages_whole"] = bool(np.array_equal(np.asarray(fed.advantages)[0], adv.values))
 
   # the update from the parts, and from the whole batch fed as replicated numpy
-  metrics = core.train_on_groups(run, parted, mine, adv)
-  reference = core.grpo_learner(run)
+  metrics = grpo_update.train_on_groups(run, parted, mine, adv)
+  reference = grpo_update.grpo_learner(run)
   ref_state, ref_metrics = reference.step_fn(reference.state, whole, 0)
   ref_metrics = jax.device_get(ref_metrics)
   keys = sorted(set(ref_metrics) - set(adv.stats))  # the step's own figures

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from configs import arith_tiny
-from rljax.pipeline import core
+from rljax.pipeline import core, grpo_update, sft
 from rljax.pipeline.rollout import generate_groups
 from rljax.pipeline.run import build
 from rljax.rl import learner
@@ -60,8 +60,8 @@ def _config():
 def warm(tmp_path_factory):
   """(run, SFT params, its train reward, GrpoLearner): built once for both cases."""
   run = core.setup(build(_config()), str(tmp_path_factory.mktemp("learning")))
-  core.sft(run)
-  return run, run.state.params, _train_reward(run), core.grpo_learner(run)
+  sft.sft(run)
+  return run, run.state.params, _train_reward(run), grpo_update.grpo_learner(run)
 
 
 def _rl_tasks(run):
@@ -89,7 +89,7 @@ def _grpo(run, sft_params, grpo, sign: int) -> float:
     groups = generate_groups(run.engine, run.env, list(itertools.islice(tasks, RL_TASKS)),
                              group_size=run.config.rl.group_size, sampling=run.built.sampling,
                              seed=step, first_request_id=step * RL_TASKS)
-    core.train_on_groups(run, g, [x.trajectories for x in groups])
+    grpo_update.train_on_groups(run, g, [x.trajectories for x in groups])
     run.engine.update_weights(run.serve(run.state), run.version)
   return _train_reward(run)
 

@@ -33,7 +33,7 @@ import os
 import shutil
 
 from experiments import study_vs_trl
-from rljax.pipeline import core, lockstep
+from rljax.pipeline import core, lockstep, report
 from rljax.pipeline.run import LOCKSTEP, build
 
 START = os.path.join(os.path.dirname(__file__), "data", "external_start")
@@ -90,11 +90,11 @@ def test_default_recipe_improves_a_strong_external_start(tmp_path):
   config.log.tensorboard = False
   config.eval.update(dict(k=1, n=1))
   run = core.setup(build(config, LOCKSTEP), str(tmp_path / "run"))
-  before = core.run_eval(run, 0, "before")["pass1"]
+  before = report.run_eval(run, 0, "before")["pass1"]
   loop = lockstep.start(run)  # the lr schedule spans rl.steps
   for _ in range(STRONG_STEPS):
     lockstep.step(run, loop)
-  after = core.run_eval(run, run.version, "after")
+  after = report.run_eval(run, run.version, "after")
   assert before > 0.9, f"the shipped strong start should solve nearly every task, got {before}"
   assert after["pass1"] >= before + STRONG_RISE, (before, after["pass1"])
   assert after["collapse_alarm"] == 0, after

@@ -946,7 +946,7 @@ def test_concurrent_episodes_are_batched_and_bitwise_the_engines(served, concurr
 
 
 def test_finished_groups_train_like_env_groups(served, concurrent_groups):
-  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import grpo_update  # pylint: disable=import-outside-toplevel
   run, endpoint = served
   trajs, _, _ = concurrent_groups
   groups = [g for g in endpoint.take_groups(2) if g.task.task_id in ("g0", "g1")]
@@ -965,8 +965,8 @@ def test_finished_groups_train_like_env_groups(served, concurrent_groups):
         chex.assert_trees_all_equal(getattr(t, name), getattr(b, name))
       assert (b.reward, b.outcome) == (t.reward, t.outcome)
     decoded.append(back)
-  learner = core.grpo_learner(run)
-  metrics = core.train_on_groups(run, learner, decoded)
+  learner = grpo_update.grpo_learner(run)
+  metrics = grpo_update.train_on_groups(run, learner, decoded)
   sampled = sum(int(t.loss_mask.sum()) for g in decoded for t in g)
   assert metrics["mismatch_tokens"] == sampled and metrics["mismatch_max_abs"] == 0.0
   assert np.isfinite(float(metrics["loss"])) and run.version == 1

@@ -216,7 +216,7 @@ def test_overlong_says_what_an_episode_cut_by_the_context_trains(overlong):
   # two groups of four; sample 0 of each was cut by the context
   import types  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import grpo_update, watch  # pylint: disable=import-outside-toplevel
   from rljax.rl.advantages import group_advantages  # pylint: disable=import-outside-toplevel
   rewards = np.array([1, 0, 0, 1, 0, 1, 1, 1], np.float32)
   cut = np.array([1, 0, 0, 0, 1, 0, 0, 0], bool)
@@ -230,7 +230,7 @@ def test_overlong_says_what_an_episode_cut_by_the_context_trains(overlong):
       {"rl": {"prompts_per_step": 2, "group_size": 4, "overlong": overlong}}))
   grpo = types.SimpleNamespace(advantages=lambda r, gid, v: group_advantages(
       r, gid, v, kind="grpo", num_groups=2))
-  adv = core.advantages_of(run, grpo, groups)
+  adv = grpo_update.advantages_of(run, grpo, groups)
   gids = np.repeat([0, 1], 4)
   everyone, uncut = np.ones(8, bool), ~cut
   want = np.asarray(group_advantages(rewards, gids, uncut if overlong == "drop" else everyone,
@@ -239,10 +239,10 @@ def test_overlong_says_what_an_episode_cut_by_the_context_trains(overlong):
   chex.assert_trees_all_equal(adv.valid, everyone if overlong == "score" else uncut)
   assert adv.stats["overlong_episodes"] == 2
   if overlong == "drop":  # group 1 without its cut sample ties: no signal, advantages 0
-    assert not core.has_signal(groups[1], overlong) and not adv.values[4:].any()
+    assert not grpo_update.has_signal(groups[1], overlong) and not adv.values[4:].any()
   else:
-    assert core.has_signal(groups[1], overlong) and adv.values[4:].any()
-  assert core.rollout_stats([t for g in groups for t in g])["overlong_frac"] == 0.25
+    assert grpo_update.has_signal(groups[1], overlong) and adv.values[4:].any()
+  assert watch.rollout_stats([t for g in groups for t in g])["overlong_frac"] == 0.25
 
 
 def test_env_errors_are_infra_failures(tiny_cfg, tiny_params):
@@ -438,7 +438,7 @@ def test_the_trained_weights_export_to_transformers(fast_run, tmp_path):
 
 def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypatch):
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, sft  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
   config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -450,12 +450,12 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   config.log.tensorboard = False
   run = core.setup(build(config), str(tmp_path))
   rates = iter([0.1, 0.59, 0.6, 0.9])
-  monkeypatch.setattr(core, "success_rate", lambda groups: next(rates))
+  monkeypatch.setattr(sft, "success_rate", lambda groups: next(rates))
   learning_rates = []  # the schedule of every optimizer built, read at step 100
   make_optimizer = core.learner.make_optimizer
   monkeypatch.setattr(core.learner, "make_optimizer", lambda lr, **kw: (
       learning_rates.append(float(lr(100))), make_optimizer(lr, **kw))[1])
-  out = core.sft(run)
+  out = sft.sft(run)
   assert out["sft_steps"] == 12 and out["sft_train_probe_pass1"] == 0.6
   records = read_jsonl(run.log.jsonl_path)
   assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
@@ -469,7 +469,7 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   config.sft.slow_down_factor = 1.0  # run.config is this config
   run.log = MetricsLogger(str(tmp_path / "keep_rate"), tensorboard=False)
   rates, learning_rates[:] = iter([0.1, 0.59, 0.6]), []
-  out = core.sft(run)
+  out = sft.sft(run)
   assert out["sft_steps"] == 12
   records = read_jsonl(run.log.jsonl_path)
   assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
@@ -478,7 +478,7 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
 
 def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatch):
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, grpo_update, lockstep  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.rollout import Group
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel  # pylint: disable=import-outside-toplevel
   config = arith_tiny.get_config()
@@ -514,8 +514,8 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
 
   trained = []
   monkeypatch.setattr(lockstep, "generate_groups", fake_generate)
-  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
-      trained.append([core.has_signal(g) for g in groups]), {"loss": 0.0})[1])
+  monkeypatch.setattr(grpo_update, "train_on_groups", lambda run, learner, groups: (
+      trained.append([grpo_update.has_signal(g) for g in groups]), {"loss": 0.0})[1])
   lockstep.grpo(run)
   assert trained == [[True] * 3, [True] * 3, [False] * 3]
   assert calls == [(0, 6), (6, 2), (8, 2), (10, 6), (16, 6), (22, 6), (28, 6)]  # ids unique
@@ -528,7 +528,7 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatc
 def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_path):
   import dataclasses  # pylint: disable=import-outside-toplevel
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, grpo_update  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.fidelity import VersionCheck  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.metrics import RunningMax, json_line  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
@@ -541,7 +541,7 @@ def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_p
   config.eval.num_tasks = 2
   config.log.tensorboard = False
   run = core.setup(build(config), str(tmp_path))
-  learner = core.grpo_learner(run)
+  learner = grpo_update.grpo_learner(run)
   check = VersionCheck(run, groups=2, keep_versions=3)
   check.hold(0, run.serve(run.state))
   groups = [g.trajectories for g in generate_groups(
@@ -555,11 +555,11 @@ def test_a_nan_logprob_fails_the_mismatch_figures_and_none_means_no_tokens(tmp_p
   poisoned[1][1] = dataclasses.replace(poisoned[1][1], behaviour_logprobs=lp)
   check.check(poisoned)
   assert np.isnan(check.mismatch.value)  # max(0.0, nan) would have said 0.0
-  metrics = core.train_on_groups(run, learner, poisoned)  # version 0 sampled them all
+  metrics = grpo_update.train_on_groups(run, learner, poisoned)  # version 0 sampled them all
   assert metrics["mismatch_tokens"] > 0 and np.isnan(metrics["mismatch_max_abs"])
   assert np.isnan(run.mismatch.value)
   # version 1 sampled none of these tokens: no figure, not 0.0
-  metrics = core.train_on_groups(run, learner, groups)
+  metrics = grpo_update.train_on_groups(run, learner, groups)
   assert metrics["mismatch_tokens"] == 0 and "mismatch_max_abs" not in metrics
   assert np.isnan(run.mismatch.value)  # a NaN stays
   empty = RunningMax()
@@ -610,7 +610,7 @@ def test_on_step_gets_each_evaluation_and_returning_false_stops_the_run_cleanly(
 
 
 def test_max_steps_runs_the_first_steps_and_the_public_step_is_the_loops(tmp_path, monkeypatch):
-  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, grpo_update, lockstep  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   config = _tiny_lockstep_config(steps=10)
   config.eval.every = 0
@@ -623,10 +623,10 @@ def test_max_steps_runs_the_first_steps_and_the_public_step_is_the_loops(tmp_pat
     return generate(engine, env, tasks, **kw)
 
   monkeypatch.setattr(lockstep, "generate_groups", counting_generate)
-  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
+  monkeypatch.setattr(grpo_update, "train_on_groups", lambda run, learner, groups: (
       setattr(run, "version", run.version + 1), {"loss": 0.0})[1])  # the update: not ours
-  grpo_learner = core.grpo_learner
-  monkeypatch.setattr(core, "grpo_learner", lambda run: (
+  grpo_learner = grpo_update.grpo_learner
+  monkeypatch.setattr(grpo_update, "grpo_learner", lambda run: (
       horizons.append(run.config.rl.steps), grpo_learner(run))[1])
   out = lockstep.grpo(run, max_steps=3)
   assert out["steps"] == 3 and out["evals"] == [] and horizons == [10]  # rl.steps' schedule
@@ -644,7 +644,7 @@ def test_max_steps_runs_the_first_steps_and_the_public_step_is_the_loops(tmp_pat
 
 
 def test_rollout_stats_estimate_the_sampling_entropy_over_policy_tokens_only():
-  from rljax.pipeline.core import rollout_stats  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline.watch import rollout_stats  # pylint: disable=g-import-not-at-top
 
   def traj(lps, mask, reward, outcome=Outcome.SUCCESS):
     n = len(lps)
@@ -668,7 +668,7 @@ def test_a_broken_reward_fn_stops_the_run_loudly_after_n_updates(tmp_path, monke
   and the run stops after rl.max_all_infra_updates such updates."""
   from configs import arith_tiny  # pylint: disable=import-outside-toplevel
   from rljax.envs.dataset import DatasetEnv  # pylint: disable=import-outside-toplevel
-  from rljax.pipeline import core, lockstep  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, grpo_update, lockstep, watch  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.run import build  # pylint: disable=import-outside-toplevel
   rows = tmp_path / "rows.jsonl"
   rows.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "kind": kind, "split": split})
@@ -690,9 +690,9 @@ def test_a_broken_reward_fn_stops_the_run_loudly_after_n_updates(tmp_path, monke
   monkeypatch.setattr(DatasetEnv, "_answer_text", lambda self, ids: "x")
   run = core.setup(build(config, ("model", "mesh", "env", "engine", "rl", "train", "eval",
                                   "log")), str(tmp_path / "run"))
-  monkeypatch.setattr(core, "train_on_groups", lambda run, learner, groups: (
+  monkeypatch.setattr(grpo_update, "train_on_groups", lambda run, learner, groups: (
       setattr(run, "version", run.version + 1), {"loss": 0.0})[1])  # the update: not ours
-  with pytest.raises(core.AllInfraFailures, match="every episode of the last 2 updates") as e:
+  with pytest.raises(watch.AllInfraFailures, match="every episode of the last 2 updates") as e:
     lockstep.grpo(run)
   for kind in ("exception: KeyError (dataset row", "bad_return (", "nan (",
                "config.rl.max_all_infra_updates"):
@@ -718,7 +718,7 @@ def test_a_broken_reward_fn_stops_the_run_loudly_after_n_updates(tmp_path, monke
 
 
 def test_the_rollout_watch_warns_once_when_no_sample_stops_and_counts_infra_reasons(caplog):
-  from rljax.pipeline.core import RolloutWatch, rollout_stats  # pylint: disable=g-import-not-at-top
+  from rljax.pipeline.watch import RolloutWatch, rollout_stats  # pylint: disable=g-import-not-at-top
   from rljax.pipeline.run import ConfigError, check_values  # pylint: disable=g-import-not-at-top
 
   def traj(finish, outcome=Outcome.MODEL_FAILURE, reason=""):

@@ -285,7 +285,7 @@ def test_a_hosts_infra_failures_reach_the_wire_its_status_and_the_trainers_log(c
   logs the first of each kind with its traceback once and puts it in its status record,
   which the trainer logs once; every update of them stops the trainer after
   rl.max_all_infra_updates."""
-  from rljax.pipeline import async_loop, core  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import async_loop, watch  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.layout import read_host_status  # pylint: disable=import-outside-toplevel
   from rljax.pipeline.metrics import NullLogger  # pylint: disable=import-outside-toplevel
   caplog.set_level("ERROR")
@@ -307,7 +307,7 @@ def test_a_hosts_infra_failures_reach_the_wire_its_status_and_the_trainers_log(c
   ready = serve_until(host, owner, [0])
   trajs = wire.group_from_arrays(ready[0].arrays, 0)
   assert {(t.outcome.value, t.infra_reason) for t in trajs} == {("infra_failure", "exception")}
-  stats = core.rollout_stats(trajs)
+  stats = watch.rollout_stats(trajs)
   assert stats["infra_failures"] == stats["reward_errors"] == stats[
       "infra_failures_exception"] == GROUP
   host.write_status()
@@ -324,14 +324,14 @@ def test_a_hosts_infra_failures_reach_the_wire_its_status_and_the_trainers_log(c
   trainer = object.__new__(async_loop.AsyncTrainer)
   trainer.primary, trainer.multi, trainer.store, trainer.host_errors = True, False, store, {}
   trainer.run = run = types.SimpleNamespace(
-      watch=core.RolloutWatch(max_all_infra=2), failures=FailureLog(),
+      watch=watch.RolloutWatch(max_all_infra=2), failures=FailureLog(),
       log=NullLogger("/tmp"), version=7)
   for update in (1, 2):
     trainer._log_host_errors(read_host_status(store))  # noqa: SLF001
     run.watch.update(update, stats, max_new_tokens=8)
     if update == 1:
       trainer._stop_if_only_infra()  # noqa: SLF001
-  with pytest.raises(core.AllInfraFailures, match=r"(?s)last 2 updates.*exception: KeyError "
+  with pytest.raises(watch.AllInfraFailures, match=r"(?s)last 2 updates.*exception: KeyError "
                      r"\(arithmetic task"):
     trainer._stop_if_only_infra()  # noqa: SLF001
   logged = [r.getMessage() for r in caplog.records]

@@ -10,7 +10,11 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   run                      build(config): the one place a config becomes objects
   adapter_stream           config.lora on the root: the base once, the adapters each version
   export                   trained weights as an HF checkpoint, adapters as a PEFT adapter
-  core                     what both loops share: Run, SFT, evaluation, one GRPO update
+  watch                    what an update's episodes say: rollout stats, the infra-failure stop
+  core                     a run's state (Run, setup, initial params), which both loops share
+  sft                      the SFT warm start
+  report                   evaluations, each update's alarms, the run's summary
+  grpo_update              the GRPO learner and one update
   fidelity                 re-scoring tokens with the version that sampled them
   lockstep                 the lockstep loop (rollout, then update, in one process)
   host                     an async rollout host
@@ -19,5 +23,6 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "queue_owner", "queue_client",
-          "lineage", "rollout", "evaluate", "run", "adapter_stream", "export", "core",
-          "fidelity", "lockstep", "host", "async_loop", "launch")
+          "lineage", "rollout", "evaluate", "run", "adapter_stream", "export", "watch",
+          "core", "sft", "report", "grpo_update", "fidelity", "lockstep", "host",
+          "async_loop", "launch")

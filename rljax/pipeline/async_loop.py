@@ -46,7 +46,7 @@ traceback; the reasons reach the trainer on the wire (`Trajectory.infra_reason`)
 first failures in the hosts' status records, which the trainer logs once each. Every
 update's record counts them (`infra_failures`, `reward_errors`, `infra_failures_<reason>`);
 every episode an infra failure for `rl.max_all_infra_updates` consecutive updates stops
-the trainer (`core.AllInfraFailures`, on every trainer process).
+the trainer (`watch.AllInfraFailures`, on every trainer process).
 
 Metrics per update (JSONL + TensorBoard, phase "async"): ttb_s (seconds from asking for a
 batch to having it: time-to-trainable-batch; all of it is trainer stall), train_s,
@@ -59,7 +59,7 @@ train state on `config.mesh`, which must span every device of the job. Process 0
 owns the work queue, the lineage, the metrics, the reward curve and the `run/` keys (and
 an entry point's local rollout hosts). Each update it broadcasts a plan of the groups it
 took (ids, result keys, advantages: `share_update`); every process reads the groups of its
-part of the batch rows (`core.batch_part`) from the storage root, packs only those and
+part of the batch rows (`grpo_update.batch_part`) from the storage root, packs only those and
 feeds them as its slice of the global batch (`rljax.rl.batch.global_batch`), and all run
 the same jitted sharded GRPO step. Every process publishes the stream shards it holds
 (Publisher) and writes its part of each orbax checkpoint, under `<root>/trainer/` (a
@@ -85,7 +85,7 @@ import numpy as np
 
 from rljax import distributed
 from rljax.checkpoint import Checkpointer
-from rljax.pipeline import adapter_stream, core, npz, wire
+from rljax.pipeline import adapter_stream, core, grpo_update, npz, report, sft, watch, wire
 from rljax.pipeline.fidelity import VersionCheck
 from rljax.pipeline.layout import (DONE_KEY, QUEUE_PREFIX, check_root, publish_fingerprint,
                                    read_host_status, stream_url, trainer_dir)
@@ -146,7 +146,7 @@ class Update:
   its ReadyGroup (queue, lineage and metrics are its)."""
 
   groups: list[list[Trajectory]]
-  advantages: core.Advantages
+  advantages: grpo_update.Advantages
   versions: list[int]
   taken: list[tuple[Any, list[Trajectory]]] | None = None
 
@@ -174,7 +174,7 @@ def share_update(take: Callable[[], Update], part: int, parts: int, store: Store
     if header["kind"] == "error":
       raise RuntimeError(f"trainer process 0 failed: {header['message']}")
     ids, keys = header["group_ids"], header["keys"]
-    update = Update([], core.Advantages(arrays["advantages"], arrays["valid"], {}),
+    update = Update([], grpo_update.Advantages(arrays["advantages"], arrays["valid"], {}),
                     header["versions"])
   per_part = len(ids) // parts
   mine = slice(part * per_part, (part + 1) * per_part)
@@ -214,9 +214,9 @@ class AsyncTrainer:
     self.run = core.setup(built, workdir)
     self.store = Store.open(check_root(root))
     self.lineage = Lineage(self.run.log.workdir)
-    self.part = core.batch_part(self.run)  # (this process's part, parts) of every batch
+    self.part = grpo_update.batch_part(self.run)  # (this process's part, parts) of every batch
     if self.multi:
-      core.check_batch_parts(self.run)
+      grpo_update.check_batch_parts(self.run)
       # gloo (CPU) gives the first collective of a device set 30 s to gather: everyone, now
       distributed.broadcast_bytes(b"ready" if self.primary else None)
     self.publish_times: dict[int, float] = {}
@@ -255,8 +255,8 @@ class AsyncTrainer:
       self._resume()
     else:
       evals.append(self.evaluate(0, "init"))
-      self.extra |= core.warm_start(run, f"{self.dir.rstrip('/')}/sft_checkpoint", progress)
-      self.grpo = core.grpo_learner(run)
+      self.extra |= sft.warm_start(run, f"{self.dir.rstrip('/')}/sft_checkpoint", progress)
+      self.grpo = grpo_update.grpo_learner(run)
       if self.grpo.ref_params is not None and self.lora is None:  # (LoRA's: the base)
         save_reference(self.dir, self.grpo.ref_params)
       self.publisher = self._stream_publisher()
@@ -274,9 +274,9 @@ class AsyncTrainer:
     return evals
 
   def evaluate(self, step: int, name: str) -> dict:
-    """core.run_eval (several processes: every one runs the SPMD engine; the figures are
+    """report.run_eval (several processes: every one runs the SPMD engine; the figures are
     the same on all of them, process 0 writes them)."""
-    return core.run_eval(self.run, step, name)
+    return report.run_eval(self.run, step, name)
 
   def _queue_config(self) -> QueueConfig:
     return QueueConfig(max_outstanding=self.rl.prompts_per_step * (self.a.max_staleness + 1),
@@ -310,10 +310,10 @@ class AsyncTrainer:
     reference = None  # rl.kl_to_start: the policy the run started from (LoRA's: the base)
     if run.built.kl_to_start and self.lora is None:
       reference = restore_reference(self.dir, run.built)
-    fresh = core.grpo_learner(run, base=base, reference=reference)
+    fresh = grpo_update.grpo_learner(run, base=base, reference=reference)
     restored = self.ckpt.restore({"state": fresh.state})
-    self.grpo = core.grpo_learner(run, state=restored.state["state"], base=base,
-                                  reference=reference)
+    self.grpo = grpo_update.grpo_learner(run, state=restored.state["state"], base=base,
+                                         reference=reference)
     run.state = self.grpo.state
     self.updates = restored.step
     self.publisher = self._stream_publisher()
@@ -386,7 +386,7 @@ class AsyncTrainer:
       if group_staleness(self.run.version, trajs) > self.a.max_staleness:
         self.owner.mark_dropped(ready.group_id, "stale")
         self.dropped_stale += 1
-      elif filter_ties and not core.has_signal(trajs, self.run.config.rl.overlong):
+      elif filter_ties and not grpo_update.has_signal(trajs, self.run.config.rl.overlong):
         self.owner.mark_dropped(ready.group_id, "no_signal")
         self.dropped_no_signal += 1
         self.ties_dropped_this_update += 1
@@ -414,7 +414,7 @@ class AsyncTrainer:
       trained_version = run.version
       if self.check is not None:
         self.check.check(update.groups, update.versions)
-      metrics = core.train_on_groups(run, self.grpo, update.groups, update.advantages)
+      metrics = grpo_update.train_on_groups(run, self.grpo, update.groups, update.advantages)
       self._publish()
       self.updates += 1
       if self.primary:
@@ -443,7 +443,7 @@ class AsyncTrainer:
     batch = self._next_batch(tasks, t0)
     groups = [g for _, g in batch]
     versions = [] if self.check is None else self.check.versions_of(groups, self.part[1])
-    return Update(groups, core.advantages_of(self.run, self.grpo, groups), versions, batch)
+    return Update(groups, grpo_update.advantages_of(self.run, self.grpo, groups), versions, batch)
 
   def _next_batch(self, tasks: Iterator, t0: float) -> list[tuple[Any, list[Trajectory]]]:
     """Process 0: `prompts_per_step` groups from the queue, waiting for the hosts."""
@@ -471,9 +471,9 @@ class AsyncTrainer:
     self.totals["ttb_s"].append(ttb)
     self.totals["staleness"].append(float(staleness.mean()) if len(staleness) else 0.0)
     self.totals["train_s"] += train_s
-    stats = core.rollout_stats(self.sampled)
-    record = metrics | stats | core.train_collapse(self.run, self.run.version,
-                                                   stats["success_frac"]) | {
+    stats = watch.rollout_stats(self.sampled)
+    record = metrics | stats | report.train_collapse(self.run, self.run.version,
+                                                     stats["success_frac"]) | {
         "ttb_s": ttb, "trainer_stall_s": ttb, "train_s": train_s,
         "staleness_mean": self.totals["staleness"][-1],
         "staleness_max": int(staleness.max()) if len(staleness) else 0,
@@ -517,7 +517,7 @@ class AsyncTrainer:
         self.run.log.write("stopped", self.run.version,
                            {"all_infra_updates": self.run.watch.streak,
                             **self.run.watch.summary()})
-      raise core.AllInfraFailures(message)
+      raise watch.AllInfraFailures(message)
 
   def finish(self) -> None:
     if self.primary:
@@ -569,7 +569,7 @@ def run_async(config: ml_collections.ConfigDict, workdir: str, root: str, *,
     extra |= trainer.check.summary()
   run.timings["train_s"] = totals["train_s"]
   run.timings["rollout_s"] = float(np.sum(totals["ttb_s"]))  # the trainer's wait for rollouts
-  summary = core.summarize(run, list(by_name.values()), time.perf_counter() - t0, extra)
+  summary = report.summarize(run, list(by_name.values()), time.perf_counter() - t0, extra)
   run.log.write("summary", run.version, {k: v for k, v in summary.items()
                                          if isinstance(v, (int, float))})
   run.log.close()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax.model import forward
-from rljax.pipeline.core import batch_part
+from rljax.pipeline.grpo_update import batch_part
 from rljax.pipeline.metrics import RunningMax
 from rljax.rl.batch import TrainBatch, build_batch, global_batch, split_microbatches
 from rljax.rl.trajectory import Trajectory
@@ -30,7 +30,7 @@ class VersionCheck:
   """Holds recent versions' serving params and re-scores sampled groups with them.
 
   With several trainer processes each re-scores the checked groups of its part of the
-  batch (rljax.pipeline.core.batch_part) and the figures are reduced across all of them:
+  batch (rljax.pipeline.grpo_update.batch_part) and the figures are reduced across all of them:
   every process is given the same `versions` (process 0 knows them: `versions_of`)."""
 
   def __init__(self, run: Any, *, groups: int, keep_versions: int):

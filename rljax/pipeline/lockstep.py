@@ -9,9 +9,9 @@ packing and feeding its part of every batch; process 0 writes the metrics, and t
 workdir must be one directory all of them reach (the orbax checkpoints are written there
 by all of them). Each GRPO step samples a group of
 episodes per train task with the serving params of version v (the bf16 cast of the f32
-masters), scores them with the env, and runs one update (`core.train_on_groups`); the
-engine then gets version v+1. A run whose every episode of `rl.max_all_infra_updates`
-consecutive updates was an infra failure stops (`core.AllInfraFailures`; the first
+masters), scores them with the env, and runs one update (`grpo_update.train_on_groups`);
+the engine then gets version v+1. A run whose every episode of `rl.max_all_infra_updates`
+consecutive updates was an infra failure stops (`watch.AllInfraFailures`; the first
 failure of each kind was logged with its traceback). Held-out evaluation (greedy pass@1, sampled pass@k) runs at
 init, after SFT ("before"), every `eval.every` steps and at the end ("after"). Metrics go
 to `<workdir>/metrics.jsonl` and TensorBoard; the reward curve to
@@ -19,7 +19,7 @@ to `<workdir>/metrics.jsonl` and TensorBoard; the reward curve to
 
 A loop of one's own: `loop = start(run)` (the learner, the task stream, the request
 ids), then `record = step(run, loop)` per step (one rollout, one update; `grpo` is a
-loop over it), `core.run_eval(run, run.version, name)` between steps where wanted.
+loop over it), `report.run_eval(run, run.version, name)` between steps where wanted.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import ml_collections
 
 from rljax import distributed
 from rljax.envs.base import Task
-from rljax.pipeline import core
+from rljax.pipeline import core, grpo_update, report, sft, watch
 from rljax.pipeline.metrics import plot_reward_curve, read_jsonl
 from rljax.pipeline.rollout import generate_groups
 from rljax.pipeline.run import LOCKSTEP, build
@@ -47,7 +47,7 @@ class Loop:
   """What the lockstep loop carries from one step to the next, beside `run` (which holds
   the train state, the engine and the version): made by `start`, advanced by `step`."""
 
-  learner: core.GrpoLearner
+  learner: grpo_update.GrpoLearner
   tasks: Iterator[Task]  # the train tasks, drawn in order (`core.task_stream`)
   next_request: int = 0  # the first request id of the next rollout (seeds its sampling)
   steps: int = 0  # steps run
@@ -57,7 +57,8 @@ def start(run: core.Run) -> Loop:
   """The GRPO learner of `rl` on run.state and the task stream of `rl.num_tasks`. The
   optimizer's lr schedule spans `rl.steps` however many steps are then run."""
   c = run.config.rl
-  return Loop(core.grpo_learner(run), core.task_stream(run.env, c.num_tasks, run.config.seed))
+  return Loop(grpo_update.grpo_learner(run),
+              core.task_stream(run.env, c.num_tasks, run.config.seed))
 
 
 def rollout(run: core.Run, loop: Loop) -> tuple[list, list]:
@@ -78,37 +79,38 @@ def rollout(run: core.Run, loop: Loop) -> tuple[list, list]:
                             failures=run.failures)
     loop.next_request += n
     sampled += [t for g in drawn for t in g.trajectories]
-    drawn.sort(key=lambda g: not core.has_signal(g.trajectories, c.overlong))  # signal first
+    # signal first
+    drawn.sort(key=lambda g: not grpo_update.has_signal(g.trajectories, c.overlong))
     groups += [g for g in drawn
-               if round_ == rounds or core.has_signal(g.trajectories, c.overlong)][:need]
+               if round_ == rounds or grpo_update.has_signal(g.trajectories, c.overlong)][:need]
     if len(groups) == c.prompts_per_step:
       break
   return groups, sampled
 
 
 def step(run: core.Run, loop: Loop) -> dict:
-  """One GRPO step: a rollout with version v (`rollout`), one update (`core.train_on_groups`),
-  the engine gets v + 1. Writes the step's `grpo` record (the update's metrics, the
-  rollout's stats, the collapse alarm, times) and returns it. Raises
-  `core.AllInfraFailures` (after writing a `stopped` record) when every episode of
+  """One GRPO step: a rollout with version v (`rollout`), one update
+  (`grpo_update.train_on_groups`), the engine gets v + 1. Writes the step's `grpo` record
+  (the update's metrics, the rollout's stats, the collapse alarm, times) and returns it. Raises
+  `watch.AllInfraFailures` (after writing a `stopped` record) when every episode of
   `rl.max_all_infra_updates` consecutive updates was an infra failure."""
   c = run.config.rl
   t0 = time.perf_counter()
   groups, sampled = rollout(run, loop)
   t1 = time.perf_counter()
-  metrics = core.train_on_groups(run, loop.learner, [g.trajectories for g in groups])
+  metrics = grpo_update.train_on_groups(run, loop.learner, [g.trajectories for g in groups])
   t2 = time.perf_counter()
   run.engine.update_weights(run.serve(run.state), run.version)
   loop.steps += 1
   run.timings["rollout_s"] += t1 - t0
   run.timings["train_s"] += t2 - t1
-  stats = core.rollout_stats(sampled)
+  stats = watch.rollout_stats(sampled)
   record = run.log.write("grpo", run.version, metrics | stats | {
-      **core.train_collapse(run, run.version, stats["success_frac"]),
+      **report.train_collapse(run, run.version, stats["success_frac"]),
       "groups_sampled": len(sampled) // c.group_size,
       "rollout_s": t1 - t0, "train_s": t2 - t1,
       "rollout_tok_s": sum(int(t.loss_mask.sum()) for t in sampled) / max(t1 - t0, 1e-9)})
-  core.watch_rollouts(run, run.version, stats)  # all infra failures too long: stop, loudly
+  report.watch_rollouts(run, run.version, stats)  # all infra failures too long: stop, loudly
   return record
 
 
@@ -130,7 +132,7 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
   for i in progress(range(1, last + 1)):
     record = step(run, loop)
     if every and i % every == 0 and i != last:
-      evals.append(core.run_eval(run, run.version, f"step{i}"))
+      evals.append(report.run_eval(run, run.version, f"step{i}"))
       record = record | {"eval": evals[-1]}
     if on_step is not None and on_step(record) is False:
       break
@@ -151,7 +153,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   sft_dir = os.path.join(os.path.abspath(workdir), "sft_checkpoint")
   final_dir = os.path.join(os.path.abspath(workdir), "final_params")
   built = build(config, LOCKSTEP)
-  core.check_sft_dir(config, sft_dir)
+  sft.check_sft_dir(config, sft_dir)
   if os.path.exists(final_dir):
     raise FileExistsError(f"{final_dir} exists (a finished run's): use a fresh workdir")
   if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
@@ -164,16 +166,16 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     distributed.check_mesh(config.mesh.to_dict())
     distributed.broadcast_bytes(b"checked" if distributed.is_primary() else None)
   run = core.setup(built, workdir)
-  evals = [core.run_eval(run, 0, "init")]
-  extra: dict[str, Any] = core.warm_start(run, sft_dir, bar)
-  evals.append(core.run_eval(run, 0, "before"))
+  evals = [report.run_eval(run, 0, "init")]
+  extra: dict[str, Any] = sft.warm_start(run, sft_dir, bar)
+  evals.append(report.run_eval(run, 0, "before"))
   out = grpo(run, functools.partial(bar, desc="grpo"), on_step=on_step, max_steps=max_steps)
   evals += out.pop("evals")
   extra |= out
-  evals.append(core.run_eval(run, run.version, "after"))
-  core.save_params(run, final_dir)  # experiments/export_hf.py --params=final_dir
+  evals.append(report.run_eval(run, run.version, "after"))
+  sft.save_params(run, final_dir)  # experiments/export_hf.py --params=final_dir
   extra["final_params"] = final_dir
-  summary = core.summarize(run, evals, time.perf_counter() - t0, extra)
+  summary = report.summarize(run, evals, time.perf_counter() - t0, extra)
   run.log.write("summary", run.version, {k: v for k, v in summary.items()
                                          if isinstance(v, (int, float))})
   run.log.close()

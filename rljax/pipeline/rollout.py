@@ -12,7 +12,7 @@ Long episodes: the context (`engine.max_seq_len`) bounds an episode. One that re
 (a turn stopped by the context, or an observation that does not fit after the last
 action) ends there, truncated: it keeps every token it has, is verified on what it did,
 and finishes with `FinishReason.CONTEXT`. What training does with it is the trainer's
-choice (`config.rl.overlong`, `rljax.pipeline.core.advantages_of`).
+choice (`config.rl.overlong`, `rljax.pipeline.grpo_update.advantages_of`).
 
 Verdicts set `reward` and `outcome` on each Trajectory. An env that raises or times out in
 `step` or `verify` (or a verifier that returns no number, or NaN) makes the sample an

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 AdvantageKind = Literal["grpo", "drgrpo", "rloo"]
 KINDS = ("grpo", "drgrpo", "rloo")
 # What training does with an episode cut by the context (`FinishReason.CONTEXT`,
-# `config.rl.overlong`; applied by `rljax.pipeline.core.advantages_of`):
+# `config.rl.overlong`; applied by `rljax.pipeline.grpo_update.advantages_of`):
 #   score: it trains like any other, with the reward its verdict gave what it did;
 #   mask:  its reward counts in its group's baseline, none of its tokens trains (DAPO's
 #          overlong filtering: the policy is not pushed away from work that was only cut
