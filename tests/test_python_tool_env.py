@@ -18,7 +18,7 @@ from rljax import envs
 from rljax.engine.engine import DecodeEngine, SamplingParams
 from rljax.envs import python_tool, sandbox
 from rljax.envs.base import StepResult
-from rljax.envs.sandbox import SandboxLimits, SandboxResult
+from rljax.envs.sandbox_limits import SandboxLimits, SandboxResult
 from rljax.envs.tokenizer import CALL_CLOSE_ID, EOS_ID, OBS_CLOSE_ID, OBS_OPEN_ID, CharTokenizer
 from rljax.numerics import Numerics
 from rljax.pipeline.metrics import read_jsonl

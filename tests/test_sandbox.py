@@ -19,8 +19,9 @@ import uuid
 
 import pytest
 
-from rljax.envs import sandbox, sandbox_landlock
-from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_isolation
+from rljax.envs import sandbox, sandbox_host, sandbox_landlock, sandbox_limits
+from rljax.envs.sandbox import run_python, sandbox_isolation
+from rljax.envs.sandbox_limits import SandboxLimits, SandboxResult
 
 ISOLATION = sandbox_isolation()
 MODES = ["namespaces", "audit_hook"] if ISOLATION.mode == "namespaces" else ["audit_hook"]
@@ -129,11 +130,11 @@ def test_infinite_loop_hits_the_wall_and_the_cpu_limits(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_hog(mode):
-  limits = SandboxLimits(memory_bytes=256 * sandbox.MiB)
+  limits = SandboxLimits(memory_bytes=256 * sandbox_limits.MiB)
   for code in ("b = bytearray(4 << 30)", "a = []\nwhile True:\n  a.append(bytearray(10**7))"):
     r = run(code, limits, isolation=mode)
     assert (r.status, r.exit_code) == ("memory_limit", 1), r
-    assert last_line(r.stderr) == "MemoryError" and r.max_rss_bytes < 300 * sandbox.MiB
+    assert last_line(r.stderr) == "MemoryError" and r.max_rss_bytes < 300 * sandbox_limits.MiB
   assert run("print(1)", isolation=mode).stdout == "1\n"  # the host carries on
   r = run("open('f', 'wb').write(b'x' * (2 << 20))",
                  SandboxLimits(max_file_bytes=1 << 20), isolation=mode)  # RLIMIT_FSIZE
@@ -157,7 +158,7 @@ def test_fork_bomb_is_contained(mode):
   assert r.status == "timeout" and r.infra_error is None, r
   assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
   if ROOT:  # a uid of its own in both modes: none of its processes is left
-    assert int(r.stdout.split()[0]) >= sandbox._UID_BASE  # pylint: disable=protected-access
+    assert int(r.stdout.split()[0]) >= sandbox_host._UID_BASE  # pylint: disable=protected-access
     assert wait_until_gone(int(r.stdout.split()[0])) == 0
 
 
@@ -237,8 +238,8 @@ def test_huge_output_is_cut_and_the_host_holds_little(mode):
                  limits, isolation=mode)
   grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
   assert (r.status, r.signal) == ("output_limit", signal.SIGKILL), r
-  assert r.stdout == "x" * 100_000 + sandbox.TRUNCATED.format(n=100_000)
-  assert grown < 50 * sandbox.MiB  # 100 MB were written; the host kept 100 kB of it
+  assert r.stdout == "x" * 100_000 + sandbox_limits.TRUNCATED.format(n=100_000)
+  assert grown < 50 * sandbox_limits.MiB  # 100 MB were written; the host kept 100 kB of it
   r = run("import sys\nwhile True:\n  sys.stderr.write('e' * 999)", limits,
                  isolation=mode)
   assert r.status == "output_limit" and len(r.stderr) < 100_100 and r.stdout == "", r
@@ -332,20 +333,18 @@ def test_as_observation():
 # setpriv may exec a binary its new user cannot reach: check that the prefix is reachable
 REACHABLE = "import os, sys, ctypes; os.stat(os.path.realpath(sys.executable)); os.listdir(sys.prefix)"
 USER_NS_CHILD = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sandbox_copy", sys.argv[1])
-sb = importlib.util.module_from_spec(spec)
-sys.modules["sandbox_copy"] = sb
-spec.loader.exec_module(sb)
+import json, sys
+sys.path.insert(0, sys.argv[1])  # the copy of the sandbox's modules, not the repository's
+from rljax.envs import sandbox as sb, sandbox_limits as lim
 port, escape = int(sys.argv[2]), sys.argv[3]
 bomb = sys.argv[4]
 out = {"isolation": sb.sandbox_isolation().user}
 for name, code, limits in [
-    ("facts", "import os; print(os.getpid(), os.getuid())", sb.SandboxLimits()),
+    ("facts", "import os; print(os.getpid(), os.getuid())", lim.SandboxLimits()),
     ("connect", f"import socket; socket.socket().connect(('127.0.0.1', {port}))",
-     sb.SandboxLimits()),
-    ("write", f"open({escape!r}, 'w')", sb.SandboxLimits()),
-    ("bomb", bomb, sb.SandboxLimits(max_processes=16, wall_s=2))]:
+     lim.SandboxLimits()),
+    ("write", f"open({escape!r}, 'w')", lim.SandboxLimits()),
+    ("bomb", bomb, lim.SandboxLimits(max_processes=16, wall_s=2))]:
   r = sb.run_python(code, limits)
   out[name] = [r.status, r.stdout, r.stderr.strip().splitlines()[-1:]]
 print(json.dumps(out))
@@ -363,14 +362,18 @@ def test_unprivileged_host_uses_a_user_namespace():
 
 
 def _unprivileged_host(copy_dir):
-  source = os.path.join(copy_dir, "sandbox_copy.py")  # readable by nobody wherever the repo is
-  shutil.copy(sandbox.__file__, source)
-  for sibling in ("sandbox_launcher.py", "sandbox_seccomp.py", "sandbox_landlock.py",
-                  "sandbox_root.py"):
-    shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), sibling), copy_dir)
-    os.chmod(os.path.join(copy_dir, sibling), 0o644)
-  os.chmod(copy_dir, 0o755)
-  os.chmod(source, 0o644)
+  # the sandbox's modules as a package of their own: readable by nobody wherever the repo is
+  package = os.path.join(copy_dir, "rljax", "envs")
+  os.makedirs(package)
+  for folder in (os.path.join(copy_dir, "rljax"), package):
+    open(os.path.join(folder, "__init__.py"), "w", encoding="utf-8").close()
+  for sibling in ("sandbox.py", "sandbox_limits.py", "sandbox_host.py", "sandbox_launcher.py",
+                  "sandbox_seccomp.py", "sandbox_landlock.py", "sandbox_root.py"):
+    shutil.copy(os.path.join(os.path.dirname(sandbox.__file__), sibling), package)
+  for folder, _, names in os.walk(copy_dir):
+    os.chmod(folder, 0o755)
+    for name in names:
+      os.chmod(os.path.join(folder, name), 0o644)
   nobody_before = tasks_of(65534)
   as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
   python = next((p for p in (sys.executable, "/usr/bin/python3", shutil.which("python3"))
@@ -385,7 +388,7 @@ def _unprivileged_host(copy_dir):
   escape = f"/tmp/rljax-sandbox-escape-{uuid.uuid4().hex}"
   try:
     child = subprocess.run(
-        as_nobody + [python, "-I", "-c", USER_NS_CHILD, str(source),
+        as_nobody + [python, "-I", "-c", USER_NS_CHILD, copy_dir,
                      str(listener.getsockname()[1]), escape, FORK_BOMB],
         capture_output=True, text=True, timeout=60, check=False, cwd="/",
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
@@ -560,7 +563,7 @@ def escape_report(host, mode, limits):
 def test_no_escape_from_inside(mode, host):
   """Every escape class from inside the sandbox, each with the host's evidence: the
   listeners received nothing, the victim lives, nothing was planted or read."""
-  limits = SandboxLimits(max_processes=8, disk_bytes=4 * sandbox.MiB, wall_s=8)
+  limits = SandboxLimits(max_processes=8, disk_bytes=4 * sandbox_limits.MiB, wall_s=8)
   report, r = escape_report(host, mode, limits)
   time.sleep(0.2)  # the watcher's last round
   assert host["received"] == [], (host["received"], report)
@@ -626,7 +629,7 @@ def test_attribution_route_by_route():
   """Which ends of a run are the host's (infra_error, with its reason) and which the
   program's: decided from the launcher's and supervisor's reports."""
   limits, started = SandboxLimits(), b'{"started": true}\n'
-  result = sandbox._result  # pylint: disable=protected-access
+  result = sandbox_host._result  # pylint: disable=protected-access
 
   def of(status, killed_for=None, code=0):
     return result(b"", b"", status, killed_for, limits, 0.1, "namespaces", code)
@@ -725,7 +728,7 @@ def test_seccomp_filter_refuses_what_no_hook_sees(mode, host):
 def test_fallback_disk_use_is_bounded():
   """audit_hook has no tmpfs: bytes past disk_bytes, or too many files, end the run
   (disk_limit, the program's failure) within the host's 50 ms poll."""
-  limits = SandboxLimits(disk_bytes=4 * sandbox.MiB, max_file_bytes=16 * sandbox.MiB,
+  limits = SandboxLimits(disk_bytes=4 * sandbox_limits.MiB, max_file_bytes=16 * sandbox_limits.MiB,
                          wall_s=8)
   big = ("import os\nfor i in range(64):\n  with open(f'f{i}', 'wb') as f:\n"
          "    f.write(b'x' * (1 << 20))\nimport time\ntime.sleep(5)")

@@ -71,8 +71,8 @@ import numpy as np
 
 from rljax.envs.base import SFTTarget, StepResult, Task
 from rljax.envs.calculator import CalculatorEnv
-from rljax.envs.sandbox import (ISOLATIONS, SandboxLimits, SandboxResult, run_python,
-                                sandbox_isolation)
+from rljax.envs.sandbox import run_python, sandbox_isolation
+from rljax.envs.sandbox_limits import ISOLATIONS, SandboxLimits, SandboxResult
 from rljax.envs.tokenizer import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 
 # Tight limits for one-line arithmetic programs: the sandbox's defaults allow 10 s of wall

@@ -1,11 +1,11 @@
 """The sandbox's inside: launcher (P0), supervisor (P1) and program (P2) of `run_python`.
 
-`rljax/envs/sandbox.py` (the host side) runs this file as a script,
+`rljax/envs/sandbox_host.py` (the host side) runs this file as a script,
 `python -I -S sandbox_launcher.py --launch CONFIG`: stdlib only, no sys.path; its guard
 modules (`sandbox_seccomp.py`, `sandbox_landlock.py`, and `sandbox_root.py`: the minimal
-root of namespaces mode) are loaded by path before the mounts. What each process does,
-the isolation and the reports on the status pipe are described in sandbox.py's module
-docstring; CONFIG is the JSON `sandbox._run` writes
+root of namespaces mode) are loaded by path before the mounts. What each process does
+and the reports on the status pipe are described in sandbox_host.py's module docstring,
+the isolation in sandbox.py's; CONFIG is the JSON `sandbox_host._run` writes
 (mode, work, limits, status_fd, uid_base). The launcher's PATH is the host's minimal one.
 """
 
