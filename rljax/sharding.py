@@ -141,8 +141,19 @@ def committed(tree: Any) -> Any:
   a program's outputs are committed: an engine or a train state made of fresh
   `jnp.zeros` / numpy leaves compiled each of its programs twice, once before and once
   after its first update (measured on CPU: 10.7 s for the GRPO step, 2-3 s per engine
-  program)."""
+  program).
+
+  Several processes: the tree is returned as it is. An uncommitted leaf is a host value
+  every process holds, which device_put places on a mesh across processes (the train
+  state's shardings); one committed to a local device would be a cross-host transfer, which
+  the CPU backend refuses (and a jitted program over the global mesh moves an uncommitted
+  argument, where it rejects a committed one)."""
+  if jax.process_count() > 1:
+    return tree
+
   def commit(x):
+    if isinstance(x, jax.core.Tracer):  # traced (jax.eval_shape of a state): no placement
+      return x
     x = x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
     if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) and not x.committed:
       return jax.device_put(x, x.sharding)
