@@ -361,3 +361,29 @@ def test_signal_fraction_counts_valid_samples_with_an_advantage(tiny_cfg, tiny_p
   new, metrics = step(state, split_microbatches(_batch(tiny_cfg, trajs, 0 * adv), 1))
   assert float(metrics["signal_fraction"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, (new.params, new.opt_state)), before)
+
+
+def test_the_step_traces_the_same_program_whatever_order_a_set_iterates_in(monkeypatch):
+  # A set of strings iterates in an order of the process's hash seed: a step that traced
+  # its token means (entropy, kl) in that order lowered to another program in each process
+  # (the GRPO step missed the persistent compile cache in every trainer: 10-15 s each)
+  class Ordered(frozenset):
+    order = ()
+
+    def __and__(self, other):
+      return [k for k in self.order if k in other]
+
+  def loss_fn(params, mb):
+    x = jnp.sum(params["w"] * mb)
+    return x, {"entropy": x * 2.0, "kl": x * 3.0, "masked_token_count": x + 1.0}
+
+  params = {"w": jnp.ones(3)}
+  state = learner.TrainState(params, optax.sgd(0.1).init(params), jnp.zeros((), jnp.int32))
+  texts = []
+  for order in (("entropy", "kl"), ("kl", "entropy")):
+    means = Ordered(order)
+    means.order = order
+    monkeypatch.setattr(learner, "TOKEN_MEANS", means)
+    step = jax.jit(lambda s, b: learner._apply(s, optax.sgd(0.1), loss_fn, b))
+    texts.append(step.lower(state, jnp.ones((2, 3))).as_text())
+  assert texts[0] == texts[1]

@@ -201,7 +201,7 @@ def _apply(state: TrainState, optimizer, loss_fn, batches: TrainBatch, update_sc
   out = {k: jnp.mean(v) for k, v in metrics.items()}
   if "masked_token_count" in metrics:  # token means over the whole batch's loss tokens
     n = metrics["masked_token_count"]
-    for k in TOKEN_MEANS & set(metrics):
+    for k in sorted(TOKEN_MEANS & set(metrics)):  # a set iterates in the hash seed's order
       out[k] = jnp.sum(metrics[k] * n) / jnp.maximum(jnp.sum(n), 1.0)
   if "mismatch_max_abs" in metrics:
     out["mismatch_max_abs"] = jnp.max(metrics["mismatch_max_abs"])
