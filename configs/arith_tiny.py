@@ -34,7 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
   # --config.env.kwargs.latency.distribution=lognormal --config.env.kwargs.latency.scale_s=0.05
   c.env.kwargs.latency = ml_collections.ConfigDict(dict(distribution="none", scale_s=0.0,
                                                         shape=1.0, cap_s=5.0, seed=0))
-  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=16))
+  # prefill_buckets=False: every prefill is num_slots x max_seq_len, one program (a
+  # bucket per admitted-rows count compiled up to 7 on CPU, where compiling is the cost)
+  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=16,
+                                          prefill_buckets=False))
 
   c.sft = ml_collections.ConfigDict()
   c.sft.load = ""  # an SFT checkpoint directory (<workdir>/sft_checkpoint) instead of SFT

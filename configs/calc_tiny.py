@@ -17,7 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.kwargs = ml_collections.ConfigDict(dict(min_digits=2, max_digits=3, ops=("*",),
                                                 max_turns=3, held_out_fraction=0.1))
   # prompt 9 + call 9 + observation <= 8 + answer <= 7 tokens
-  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=48))
+  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=48,
+                                          prefill_buckets=False))  # arith_tiny's
   c.sft.steps = 150
   c.sft.target_pass1 = 0.0  # a fixed short warm start
   c.rl.steps = 150

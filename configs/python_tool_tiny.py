@@ -25,7 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
                                     output_bytes=4096)))
   # prompt 9 + call 16 + observation <= 8 + answer <= 7 tokens (a retry after an error
   # observation of <= 18 tokens may not fit: the sequence ends the episode when it is full)
-  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=48))
+  c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=48,
+                                          prefill_buckets=False))  # arith_tiny's
   # SFT until greedy pass@1 on 64 train probe tasks reaches 0.6 (at most 150 steps), so
   # GRPO starts from a comparable, imperfect policy whatever the seed
   c.sft.steps = 150

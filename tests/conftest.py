@@ -27,6 +27,13 @@ TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_h
             max_position_embeddings=256, page_size=16)
 
 
+# The engine shape tests share unless a test is about shapes (slot counts, page pressure):
+# 8 slots, 128-token rows, 65 pages (8 x 8 + the null page), one prefill program. Each
+# program then compiles once per run and the persistent cache serves every later file and
+# process (compiling is most of what engine tests cost on CPU).
+ENGINE = dict(num_slots=8, max_seq_len=128, num_pages=65, prefill_buckets=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> ModelConfig:
   # resolved for deterministic numerics: on a GPU, tests of both modes keep the reference

@@ -170,6 +170,16 @@ def test_build_names_a_bad_value_before_any_model_work(field, value, message):
     build(config, ASYNC_TRAINER)
 
 
+def test_engine_prefill_buckets_must_be_a_bool():
+  # a config that sets it to another type (arith_tiny's bool field refuses one itself)
+  config = arith_tiny.get_config()
+  config.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=16,
+                                                 prefill_buckets="no"))
+  with pytest.raises(ConfigError, match="config.engine.prefill_buckets must be True or "
+                     "False, got 'no'"):
+    build(config, ASYNC_TRAINER)
+
+
 def test_kl_coef_needs_the_reference_policy_of_kl_to_start():
   fix = (r"config.rl.loss.kl_coef must be 0 without a reference policy: set "
          r"config.rl.kl_to_start = True")

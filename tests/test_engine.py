@@ -1,8 +1,10 @@
 """Decode engine: fidelity to the training forward, batching, sharing, sampling, records.
 
-Engines share one page pool (`POOL`, 65 pages of 16) and row length (128) unless a test
-is about them, so their programs differ only in the slot count and compile once per run
-(the persistent compile cache shares them across files too)."""
+Engines share conftest's `ENGINE` shape (8 slots, 65 pages of 16, rows of 128, one
+prefill program) unless a test is about shapes, so their programs compile once per run
+(the persistent compile cache shares them across files too). The reference run
+("slots8") prefills in power-of-two buckets: every other run, one prefill shape, must
+give its tokens and log-probs bit for bit."""
 
 import dataclasses
 import functools
@@ -21,9 +23,11 @@ from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
 from rljax.rl.trajectory import FinishReason
 
+from conftest import ENGINE
+
 DET = Numerics("deterministic")
 EOS = 2
-POOL = dict(max_seq_len=128, num_pages=65)  # 8 slots x 8 pages + the null page
+POOL = {k: v for k, v in ENGINE.items() if k != "num_slots"}
 
 
 def _requests(cfg, count, n=1, seed=0, max_new=24, **sampling):
@@ -85,10 +89,11 @@ def det_runs(tiny_cfg, tiny_params):
   for name, slots, order, steps in (("slots8", 8, reqs, 8),
                                     ("slots3_reversed_1step", 3, reqs[::-1], 1),
                                     ("slots5_shuffled_3steps", 5, shuffled, 3)):
-    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, **POOL,
+    shape = POOL | dict(prefill_buckets=name == "slots8")
+    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, **shape,
                        eos_id=EOS, steps_per_call=steps)
     runs[name] = (eng, eng.generate(order))
-  alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL, eos_id=EOS)
+  alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL, eos_id=EOS)
   runs["alone"] = (alone, alone.generate([reqs[2]]))
   return runs
 
@@ -114,6 +119,11 @@ def test_no_recompiles_and_pages_freed(det_runs):
     assert eng.trace_counts["decode"] == 1, (name, eng.trace_counts)
     assert eng.trace_counts["sample"] == 1
     assert all(v == 1 for k, v in eng.trace_counts.items() if k.startswith("prefill_"))
+    prefills = sorted(k for k in eng.trace_counts if k.startswith("prefill_"))
+    if eng.prefill_buckets:  # the reference run's admissions came in several shapes
+      assert len(prefills) > 1, prefills
+    else:  # one shape: num_slots rows x max_seq_len
+      assert prefills == [f"prefill_{eng.num_slots}x128"], (name, prefills)
     assert eng.pool.used_count == 0 and eng.idle, name
     assert eng.max_waste_pages < 1.0
     assert _executables(eng) == sum(eng.trace_counts.values()), name
@@ -130,7 +140,7 @@ def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
 
 
 def test_stop_conditions(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL)
   (t,) = eng.generate(_requests(tiny_cfg, 1, max_new=5))
   assert t.finish_reason == FinishReason.LENGTH and len(t.completion_ids) == 5
   greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
@@ -140,7 +150,7 @@ def test_stop_conditions(tiny_cfg, tiny_params):
       temperature=0.0, max_new_tokens=20, stop_tokens=(stop,)))])
   assert s.finish_reason == FinishReason.STOP and s.completion_ids[-1] == stop
   assert len(s.completion_ids) <= 4
-  eos_eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL, eos_id=stop)
+  eos_eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL, eos_id=stop)
   (e,) = eos_eng.generate([Request(1, np.array([5, 6, 7]), sampling=greedy)])
   assert e.finish_reason == FinishReason.EOS
   np.testing.assert_array_equal(e.completion_ids, s.completion_ids)
@@ -149,7 +159,7 @@ def test_stop_conditions(tiny_cfg, tiny_params):
 
 
 def test_sampling_modes(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL)
   prompt = np.array([9, 8, 7, 6])
 
   def one(**kw):
@@ -182,7 +192,7 @@ def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg,
   # Request.sampling_id (what the OpenAI endpoint's `seed` uses): requests with other ids
   # and the same seed and sampling id sample the same tokens, those of a request whose id
   # it is
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL)
   prompt, sp = np.array([9, 8, 7, 6]), SamplingParams(max_new_tokens=12)
   out = _by_key(eng.generate([Request(3, prompt, sampling=sp, seed=5, sampling_id=77),
                               Request(4, prompt, sampling=sp, seed=5, sampling_id=77),
@@ -199,7 +209,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
   # committed weights, as a trainer's step hands them over (the pools start uncommitted)
   params = jax.device_put(tiny_params, jax.devices()[0])
-  eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=4, **POOL,
+  eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=8, **POOL,
                      weight_update=policy)
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)
@@ -226,7 +236,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
 
 
 def test_multi_turn_extension_prefills_only_new_tokens(tiny_cfg, tiny_params):
-  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=4, **POOL)
+  eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL)
   req = Request(7, np.array([4, 5, 6, 7, 8]), n=2, keep_pages=True,
                 sampling=SamplingParams(max_new_tokens=6))
   first = eng.generate([req])
@@ -250,8 +260,8 @@ def test_multi_turn_extension_prefills_only_new_tokens(tiny_cfg, tiny_params):
 
 def test_preemption_under_page_pressure_changes_nothing(tiny_cfg, tiny_params, det_runs):
   reqs = _requests(tiny_cfg, 6, n=4)
-  tight = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=128,
-                       num_pages=14, eos_id=EOS)
+  tight = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8,
+                       **(POOL | dict(num_pages=14)), eos_id=EOS)
   trajs = _by_key(tight.generate(reqs))
   assert tight.stats["preemptions"] > 0
   for key, t in _by_key(det_runs["slots8"][1]).items():
@@ -300,7 +310,8 @@ def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):
   cfg, params = _hf_initialised_tiny(tiny_cfg, tmp_path)
   rng = np.random.default_rng(0)
   prompts = rng.integers(3, cfg.vocab_size, size=(32, 16))
-  eng = DecodeEngine(cfg, params, numerics=DET, num_slots=32, max_seq_len=80)
+  eng = DecodeEngine(cfg, params, numerics=DET, num_slots=32, max_seq_len=80,
+                     prefill_buckets=False)
   trajs = eng.generate([Request(i, prompts[i], sampling=SamplingParams(
       temperature=0.0, max_new_tokens=64)) for i in range(32)])
   for t, (train_lp, _) in zip(trajs, _trainer_view(params, cfg, trajs)):
@@ -309,7 +320,7 @@ def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):
 
 def test_pages_held_by_parked_sequences_raise_instead_of_hanging(tiny_cfg, tiny_params):
   eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=2, max_seq_len=64,
-                     num_pages=4)
+                     num_pages=4, prefill_buckets=False)
   eng.generate([Request(1, np.arange(3, 20), keep_pages=True,
                         sampling=SamplingParams(max_new_tokens=4))])  # parks 2 of 3 pages
   eng.submit(Request(2, np.arange(3, 23), sampling=SamplingParams(max_new_tokens=4)))

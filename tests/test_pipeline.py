@@ -27,12 +27,16 @@ from rljax.pipeline.core import rows_for
 from rljax.pipeline import wire
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
+from conftest import ENGINE
+
 DET = Numerics("deterministic")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _engine(tiny_cfg, tiny_params, env, **kw):
-  return DecodeEngine(tiny_cfg, tiny_params, numerics=DET, eos_id=env.tokenizer.eos_id, **kw)
+def _engine(tiny_cfg, tiny_params, env, **shape):
+  """An engine of conftest's shared shape, or of `shape` where a test is about it."""
+  return DecodeEngine(tiny_cfg, tiny_params, numerics=DET, eos_id=env.tokenizer.eos_id,
+                      **(ENGINE | shape))
 
 
 @given(st.integers(1, 12), st.integers(0, 20), st.integers(0, 12))
@@ -60,7 +64,7 @@ def test_rows_for_always_holds_the_worst_case(lengths, row_len):
 def test_single_turn_groups_are_complete_ordered_and_scored(tiny_cfg, tiny_params):
   env = ArithmeticEnv(max_digits=2)
   tasks = env.prompts("train", 5, seed=0)
-  eng = _engine(tiny_cfg, tiny_params, env, num_slots=8, max_seq_len=32)
+  eng = _engine(tiny_cfg, tiny_params, env)
   groups = generate_groups(eng, env, tasks, group_size=3, seed=1,
                            sampling=SamplingParams(max_new_tokens=4), first_request_id=100)
   assert [g.task for g in groups] == tasks
@@ -101,7 +105,7 @@ class _EchoTool(ArithmeticEnv):
 def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cfg, tiny_params):
   env = _EchoTool()
   tasks = env.prompts("train", 3, seed=0)
-  eng = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
+  eng = _engine(tiny_cfg, tiny_params, env)
   groups = generate_groups(eng, env, tasks, group_size=2, seed=3,
                            sampling=SamplingParams(max_new_tokens=5))
   obs = list(env.obs)
@@ -129,7 +133,7 @@ def echo_episodes_with_room(tiny_cfg, tiny_params):
   """The deadlock test's reference: its episodes on an engine with pages to spare (the
   env's step delay changes no episode, so the three cases share it)."""
   env = _EchoTool()
-  roomy = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
+  roomy = _engine(tiny_cfg, tiny_params, env)
   return generate_groups(roomy, env, env.prompts("train", 6, seed=0), group_size=4, seed=5,
                          sampling=SamplingParams(max_new_tokens=5))
 
@@ -150,7 +154,7 @@ def test_multi_turn_continuations_waiting_for_pages_do_not_deadlock(tiny_cfg, ti
   tasks = env.prompts("train", 6, seed=0)
   sp = SamplingParams(max_new_tokens=5)
   small = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64, num_pages=9,
-                  steps_per_call=steps_per_call)
+                  steps_per_call=steps_per_call)  # 4 slots x 4 pages: 9 pages press
   a = generate_groups(small, env, tasks, group_size=4, seed=5, sampling=sp)
   assert small.stats["preemptions"] > 0 and len(a) == len(echo_episodes_with_room)
   for ga, gb in zip(a, echo_episodes_with_room):
@@ -170,7 +174,7 @@ def test_episodes_that_outgrow_the_context_are_cut_there(tiny_cfg, tiny_params,
   env = _EchoTool()
   env.max_turns = 50
   max_len, obs = 48, len(env.obs)
-  eng = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=max_len)
+  eng = _engine(tiny_cfg, tiny_params, env, max_seq_len=max_len, num_pages=None)
   groups = generate_groups(eng, env, env.prompts("train", 4, seed=0), group_size=4, seed=2,
                            sampling=SamplingParams(max_new_tokens=5))
   trajs = [t for g in groups for t in g.trajectories]
@@ -247,7 +251,7 @@ def test_overlong_says_what_an_episode_cut_by_the_context_trains(overlong):
 
 def test_env_errors_are_infra_failures(tiny_cfg, tiny_params):
   env = _EchoTool(fail_step_on_turn=2)
-  eng = _engine(tiny_cfg, tiny_params, env, num_slots=4, max_seq_len=64)
+  eng = _engine(tiny_cfg, tiny_params, env)
   groups = generate_groups(eng, env, env.prompts("train", 2, seed=0), group_size=2, seed=0,
                            sampling=SamplingParams(max_new_tokens=4))
   assert all(t.outcome == Outcome.INFRA_FAILURE and t.reward == 0.0
@@ -258,7 +262,7 @@ def test_env_errors_are_infra_failures(tiny_cfg, tiny_params):
 def test_evaluate_counts_greedy_and_sampled(tiny_cfg, tiny_params):
   env = ArithmeticEnv(max_digits=2)
   tasks = env.prompts("held_out", 6, seed=0)
-  eng = _engine(tiny_cfg, tiny_params, env, num_slots=8, max_seq_len=32)
+  eng = _engine(tiny_cfg, tiny_params, env)
   out = evaluate(eng, env, tasks, k=2, n=4, temperature=1.0, max_new_tokens=4, seed=0)
   assert out["tasks"] == 6 and out["infra_failures"] == 0
   assert 0.0 <= out["pass1"] <= 1.0 and 0.0 <= out["pass2"] <= 1.0

@@ -59,7 +59,13 @@ class DecodeEngine:
                eos_id: int | None = None, version: int = 0,
                weight_update: WeightUpdatePolicy = "keep",
                sharding: sharding_lib.Sharding | None = None, steps_per_call: int = 8,
-               max_stop_tokens: int = 4):
+               max_stop_tokens: int = 4, prefill_buckets: bool = True):
+    """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
+    most num_slots rows, max_seq_len tokens): least padding, one program per (rows, width)
+    bucket, up to (log2 num_slots + 1) x (log2 pages per sequence + 1) compiles. False:
+    every prefill call is num_slots rows x max_seq_len tokens, one program, for runs whose
+    cost is compiling (CPU, tests, short contexts). The tokens and log-probs are the same
+    either way in deterministic numerics (batch invariance, tested)."""
     if weight_update not in ("keep", "recompute"):
       raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
     if steps_per_call < 1 or max_stop_tokens < 0:
@@ -71,6 +77,7 @@ class DecodeEngine:
     self.version, self.weight_update = version, weight_update
     self.page_size = cfg.page_size
     self.steps_per_call, self.max_stop_tokens = steps_per_call, max_stop_tokens
+    self.prefill_buckets = prefill_buckets
     self.max_blocks = pages_for(max_seq_len, self.page_size)
     num_pages = num_pages or 1 + num_slots * self.max_blocks
     if sharding is not None:
@@ -196,14 +203,16 @@ class DecodeEngine:
 
   def _prefill(self, items: list[Prefill]):
     """Feeds each seq's tokens[lo:hi] at positions lo..hi-1 into its pages, all sequences
-    in one call (rows padded to power-of-two buckets); returns logits [num_slots, V] whose
-    row i follows the last fed token of items[i]. At most num_slots items, none empty."""
+    in one call (rows and width padded: `prefill_buckets`); returns logits [num_slots, V]
+    whose row i follows the last fed token of items[i]. At most num_slots items, none empty."""
     if not 0 < len(items) <= self.num_slots or any(hi <= lo for _, lo, hi in items):
       raise AssertionError("prefill takes 1..num_slots non-empty token ranges")
     self._copy_pages(self.scheduler.prefill_pages(items))
-    longest = max(hi - lo for _, lo, hi in items)
-    width = self.page_size * (1 << max(0, (pages_for(longest, self.page_size) - 1).bit_length()))
-    rows = min(1 << (len(items) - 1).bit_length(), self.num_slots)
+    rows, width = self.num_slots, self.max_blocks * self.page_size
+    if self.prefill_buckets:
+      pages = pages_for(max(hi - lo for _, lo, hi in items), self.page_size)
+      width = self.page_size * (1 << max(0, (pages - 1).bit_length()))
+      rows = min(1 << (len(items) - 1).bit_length(), self.num_slots)
     tokens = np.zeros((rows, width), np.int32)
     positions = np.full((rows, width), -1, np.int32)
     table = np.zeros((rows, self.max_blocks), np.int32)

@@ -26,7 +26,7 @@ override that must agree with the checkpoint (`model_config`).
 Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive updates of
 nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
 `rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
-`eval.collapse_fall`.
+`eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s).
 
 Values a run would only trip over later (at its first update, evaluation or checkpoint,
 after the model is loaded) are checked here too: the advantage estimator, the loss's
@@ -130,6 +130,9 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
     check_mesh_axes(config.mesh, "config.mesh")
   if "engine" in needs and "mesh" in config.engine:
     check_mesh_axes(config.engine.mesh, "config.engine.mesh")
+  if "engine" in needs and not isinstance(config.engine.get("prefill_buckets", True), bool):
+    raise ConfigError("config.engine.prefill_buckets must be True or False, got "
+                      f"{config.engine.prefill_buckets!r}")
   if "rl" in needs:
     try:
       LossConfig(**config.rl.loss.to_dict())
@@ -487,7 +490,8 @@ class Built:
     return DecodeEngine(self.cfg, params, numerics=self.numerics, num_slots=e.num_slots,
                         max_seq_len=e.max_seq_len, eos_id=self.env.tokenizer.eos_id,
                         version=version, weight_update=weight_update, sharding=sharding,
-                        max_stop_tokens=max(4, extra_stops))
+                        max_stop_tokens=max(4, extra_stops),
+                        prefill_buckets=bool(e.get("prefill_buckets", True)))
 
   def engine_sharding(self) -> sharding_lib.Sharding | None:
     """A rollout host's mesh: `config.engine.mesh` (axis sizes; none or 1 device: no mesh)
