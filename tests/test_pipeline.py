@@ -109,22 +109,20 @@ def test_multi_turn_episode_is_one_growing_sequence_bitwise_the_trainers(tiny_cf
   groups = generate_groups(eng, env, tasks, group_size=2, seed=3,
                            sampling=SamplingParams(max_new_tokens=5))
   obs = list(env.obs)
-  for g in groups:
-    for t in g.trajectories:
-      # three actions of <= 5 tokens with two observations between them, masked out
-      c, m = t.completion_ids, t.loss_mask
-      off = np.flatnonzero(~m)
-      assert len(off) == 2 * len(obs)
-      assert [list(c[off[i * len(obs):(i + 1) * len(obs)]]) for i in range(2)] == [obs, obs]
-      assert np.all(t.behaviour_logprobs[~m] == 0) and np.all(t.versions[~m] == -1)
-      assert t.outcome == (Outcome.SUCCESS if len(c) % 2 else Outcome.MODEL_FAILURE)
-      # the trainer's forward on the whole episode gives the engine's log-probs exactly
-      toks = t.tokens[None]
-      out = forward(tiny_params, toks, np.arange(toks.shape[1])[None], cfg=tiny_cfg,
-                    numerics=DET, targets=np.roll(toks, -1, axis=1),
-                    routing=t.expert_ids[None])
-      lp = np.asarray(out.logprobs)[0, len(t.prompt_ids) - 1:-1]
-      chex.assert_trees_all_equal(lp[m], t.behaviour_logprobs[m])
+  trajs = [t for g in groups for t in g.trajectories]
+  # the trainer's packed forward on the whole episodes (its own routing, no replay)
+  rescored = packed_logprobs(tiny_params, [t.tokens for t in trajs], cfg=tiny_cfg,
+                             numerics=DET, row_len=ENGINE["max_seq_len"])
+  for t, lp in zip(trajs, rescored):
+    # three actions of <= 5 tokens with two observations between them, masked out
+    c, m = t.completion_ids, t.loss_mask
+    off = np.flatnonzero(~m)
+    assert len(off) == 2 * len(obs)
+    assert [list(c[off[i * len(obs):(i + 1) * len(obs)]]) for i in range(2)] == [obs, obs]
+    assert np.all(t.behaviour_logprobs[~m] == 0) and np.all(t.versions[~m] == -1)
+    assert t.outcome == (Outcome.SUCCESS if len(c) % 2 else Outcome.MODEL_FAILURE)
+    # the trainer's forward on the whole episode gives the engine's log-probs exactly
+    chex.assert_trees_all_equal(lp[len(t.prompt_ids) - 1:][m], t.behaviour_logprobs[m])
   assert eng.idle and not eng.parked and eng.pool.used_count == 0
 
 
