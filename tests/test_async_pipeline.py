@@ -122,6 +122,12 @@ def test_the_kl_reference_is_saved_once_and_restored_bitwise(tmp_path):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(FileExistsError, match="start policy"):
     async_loop.save_reference(str(tmp_path), start)
+  # a fresh run's reference is placed as a restored one is (committed to the device): jit
+  # compiled the GRPO step again, 10-15 s, in every resumed trainer
+  from rljax.pipeline import core, grpo_update  # pylint: disable=import-outside-toplevel
+  fresh = grpo_update.grpo_learner(core.setup(built, str(tmp_path / "w"), engine=False))
+  for a, b in zip(jax.tree.leaves(fresh.ref_params), jax.tree.leaves(restored)):
+    assert a.committed and b.committed and a.sharding == b.sharding
 
 
 def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version(tmp_path):

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from rljax import sharding as sharding_lib
 from rljax.model import lora as lora_lib
 from rljax.pipeline.core import Run
 from rljax.rl import learner
@@ -65,7 +66,9 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None, *,
     if state is not None:
       raise ValueError("config.rl.kl_to_start: a restored state needs the start policy it "
                        "trained against (reference=...)")
-    reference = run.serve(run.state)  # a new array: the state's masters move on
+    # a new array: the state's masters move on. Committed, as a restored one (`reference`)
+    # is: the step compiles one program for a fresh run and its resume, not two
+    reference = sharding_lib.committed(run.serve(run.state))
   if lora is not None:
     if state is not None and base is None:
       raise ValueError("config.lora: restored adapters need the frozen base they trained on "
@@ -73,8 +76,8 @@ def grpo_learner(run: Run, state: learner.TrainState | None = None, *,
     # the base: run.state's serving params unless given, frozen from here on. Fresh
     # adapters (B = 0) start the policy as the base, bit for bit; run.serve becomes the
     # merge, so the engine, evaluations and the saved final params see the adapted policy.
-    if base is None:
-      base = run.serve(run.state)
+    if base is None:  # committed, as a restored base is (one program: see the reference)
+      base = sharding_lib.committed(run.serve(run.state))
     run.base = base
     if state is None:
       state = learner.init_state(
