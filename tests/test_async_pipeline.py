@@ -21,17 +21,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "experiments" / "pipeline.py"
 HOST = ROOT / "experiments" / "rollout_host.py"
 
-# a smaller policy than arith_tiny's (compiles faster), short phases
+# a smaller policy than arith_tiny's (compiles faster), short phases: no SFT warm start
+# (nothing here tests it; test_lora_stream's killed trainer adds one), 4 eval tasks
 SMALL = ["--config.model.hidden_size=64", "--config.model.num_hidden_layers=2",
          "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
          "--config.model.moe_intermediate_size=64", "--config.model.intermediate_size=128",
-         "--config.sft.steps=20", "--config.sft.target_pass1=0", "--config.sft.log_every=10",
+         "--config.sft.steps=0", "--config.sft.target_pass1=0", "--config.sft.log_every=10",
          "--config.rl.prompts_per_step=4", "--config.rl.group_size=4",
-         "--config.eval.num_tasks=8", "--config.eval.n=2", "--config.eval.k=2",
+         "--config.eval.num_tasks=4", "--config.eval.n=2", "--config.eval.k=2",
          "--config.eval.every=0", "--config.engine.num_slots=16",
          "--config.async_rl.host_groups=4", "--config.async_rl.checkpoint_every=2",
          "--config.rl.dynamic_sampling_rounds=1",
          "--config.log.tensorboard=False"]
+# the two end-to-end runs' processes share their programs (the compile cache's):
+# deterministic numerics, every group's tokens re-scored (the check's program)
+SHARED = ["--config.numerics=deterministic", "--config.async_rl.check_versions_groups=1000"]
 
 
 def _strict_json(line: str) -> dict:
@@ -135,9 +139,7 @@ def test_pipeline_on_gcs_two_hosts_deterministic_every_token_matches_its_version
   # on weight updates: every trained token's behaviour log-prob equals the trainer's
   # log-prob under the weights of the version that sampled it, bit for bit.
   with fake_gcs("rljax-async"):
-    proc = _trainer(tmp_path / "run", "gs://rljax-async/run", "--config.rl.steps=4",
-                    "--config.numerics=deterministic",
-                    "--config.async_rl.check_versions_groups=1000",
+    proc = _trainer(tmp_path / "run", "gs://rljax-async/run", "--config.rl.steps=4", *SHARED,
                     "--config.async_rl.weight_update=recompute",
                     "--config.rl.dynamic_sampling_rounds=2", hosts=2)
     summary = _finish(proc)
@@ -188,7 +190,7 @@ def test_kill_a_host_then_the_trainer_and_the_run_finishes(tmp_path):
   # (a restart resumes from its checkpoint and the stream version it recorded; the hosts
   # carry on). No group is lost or trained twice; every prompt is accounted for.
   workdir, root = tmp_path / "run", f"file://{tmp_path / 'root'}/"
-  overrides = ["--config.rl.steps=8", "--config.async_rl.lease_ttl_s=4"]
+  overrides = ["--config.rl.steps=8", *SHARED, "--config.async_rl.lease_ttl_s=4"]
   logs = [open(tmp_path / f"host{i}.log", "a", encoding="utf-8") for i in range(2)]
   trainer = _trainer(workdir, root, *overrides, hosts=0)
   hosts = [_host(root, f"host{i}", *overrides, log=logs[i]) for i in range(2)]
