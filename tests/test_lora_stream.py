@@ -46,8 +46,8 @@ RUN = [f"--config={LORA_CONFIG}", *SMALL, "--config.lora.rank=2", "--config.lora
        "--config.rl.learning_rate=1e-2", "--config.rl.warmup_steps=1"]
 
 
-# the bitwise run: from the random init (no warm start), 3 updates
-E2E = ["--config.sft.steps=0", "--config.rl.steps=3", "--config.eval.num_tasks=4"]
+# the bitwise run: from the random init (SMALL: no warm start), 3 updates
+E2E = ["--config.rl.steps=3"]
 
 
 def _manifests(stream_dir: pathlib.Path) -> list[Manifest]:
@@ -206,8 +206,10 @@ def test_a_killed_lora_trainer_resumes_on_the_base_it_saved(tmp_path):
   # and publishes on; the host keeps its base and follows, and every trained token still
   # matches its own version's weights bit for bit.
   workdir, root = tmp_path / "run", f"file://{tmp_path / 'root'}/"
+  # an SFT warm start of the base (SMALL has none): 3 steps, the second and third at the
+  # full rate (step 1's lr is 0 with any warmup)
   overrides = ["--config.rl.steps=5", "--config.async_rl.lease_ttl_s=4",
-               "--config.eval.num_tasks=4"]
+               "--config.sft.steps=3", "--config.sft.warmup_steps=1"]
   log = open(tmp_path / "host.log", "a", encoding="utf-8")  # pylint: disable=consider-using-with
   trainer = _trainer(workdir, root, *overrides, hosts=0)
   host = subprocess.Popen(
