@@ -52,7 +52,10 @@ FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.eval.k=2", "--config.eval.every=0", "--config.engine.num_slots=64",
     "--config.async_rl.host_groups=4", "--config.async_rl.checkpoint_every=2",
     "--config.async_rl.lease_ttl_s=4",
-    "--config.log.tensorboard=False"]
+    "--config.log.tensorboard=False",
+    # both tests' processes run one set of programs (the compile cache's): deterministic
+    # numerics, as the lockstep test's bitwise check needs
+    "--config.numerics=deterministic"]
 
 
 def _flat(tree) -> dict:
@@ -84,11 +87,6 @@ def _updates_logged(workdir) -> int:
 
 @pytest.mark.multidevice
 def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, monkeypatch):
-  import jax
-  import numpy as np
-  from rljax.pipeline.metrics import read_jsonl
-  from rljax.sync import Store, Subscriber
-  from rljax.sync import manifest as fmt
   from tests.fake_gcs import fake_gcs
 
   with fake_gcs(BUCKET) as gcs_url:
@@ -132,84 +130,107 @@ def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, mon
           p.wait()
       host_log.close()
     summary, other = outs
-
-    # the run: process 0's summary, lineage and queue, resumed; process 1 wrote nothing
-    assert summary["processes"] == 2 and summary["devices"] == 8
-    assert summary["updates"] == STEPS and summary["resumed_from_update"] == 2
-    assert summary["resumed_stream_version"] == 2 and host_code == 0
-    final = summary["steps"]  # versions the dead run published after update 2 are skipped
-    q = summary["queue"]
-    assert q["trained"] == 4 * STEPS + summary["requeued_after_rollback"]  # lost ones too
-    assert q["submitted"] == (q["trained"] + q["dropped"] + q["pending"] + q["leased"]
-                              + q["ready"]), q
-    assert other == {"process_index": 1, "processes": 2, "updates": STEPS, "steps": final,
-                     "workdir": str(tmp_path / "trainer1"),
-                     "heldout_pass1_after": summary["heldout_pass1_after"]}  # one SPMD eval
-    lineage = read_jsonl(tmp_path / "trainer0" / "trained_groups.jsonl")
-    assert [l["update"] for l in lineage] == list(range(1, STEPS + 1))  # cut back, redone
-    versions = [l["version"] for l in lineage]
-    assert versions[:2] == [1, 2] and versions == sorted(versions) and versions[-1] == final
-    groups = [g for l in lineage for g in l["groups"]]
-    assert len(groups) == len(set(groups)) == 4 * STEPS  # none trained twice
-    tasks = [t["task_id"] for l in lineage for t in l["tasks"]]
-    assert len(tasks) == len(set(tasks))  # a requeued task is not trained twice either
-    assert {h for l in lineage for h in l["hosts"]} == {"host0"}
-    records = read_jsonl(tmp_path / "trainer0" / "metrics.jsonl")
-    trained = [r["updates"] for r in records if r["phase"] == "async"]
-    assert trained[:3] == [1, 2, 3] and trained[-2:] == [3, 4], trained  # 3: the lost one
-    tokens = summary["own_version_tokens"]  # every token re-scored with its version ...
-    assert tokens["checked"] > 0  # ... but the abandoned versions' (no longer held)
-    evals = [r for r in records if r["phase"] == "eval"]
-    assert len(evals) == 4  # init, before; before (resumed), after
-    assert not (tmp_path / "trainer1" / "metrics.jsonl").exists()
-
-    # the stream: every version's shards written once, by one process, all of them covered
-    store = Store.open(f"{root}/stream/")
-    for v in range(final + 1):
-      raw = store.read(fmt.manifest_key(v))
-      if raw is None:  # the dead run's, cut short
-        continue
-      manifest = fmt.Manifest.from_bytes(raw)
-      by_process = []
-      for proc in range(2):
-        index = json.loads(store.read(fmt.index_key(v, proc)))
-        by_process.append({e["key"] for group in index.values() for entries in group.values()
-                           for e in entries})
-      assert by_process[0] and by_process[1] and not by_process[0] & by_process[1], v
-      want = {s.key for group in (manifest.tensors, manifest.deltas or {})
-              for t in group.values() for s in t.shards}
-      assert by_process[0] | by_process[1] == want, v
-    sub = Subscriber(f"{root}/stream/")
-    assert sub.poll() == final and not sub.stats.errors  # checksums of every delta
-
-    # the checkpoint: both processes' parts; restored in another process onto 8 devices
-    # in another layout, and here onto one device; the serving bits are the stream's
+    # the checkpoint restored in another process (8 devices, another layout): started now,
+    # it loads while this process checks the run and the stream
     ckpt_dir = f"{root}/trainer/checkpoints"
-    from etils import epath
-    state_dir = epath.Path(ckpt_dir) / str(STEPS) / "state"
-    assert (state_dir / "ocdbt.process_0").exists() and (state_dir / "ocdbt.process_1").exists()
-    worker = subprocess.run([sys.executable, str(HERE), ckpt_dir, str(tmp_path / "other.npz")],
-                            cwd=str(REPO), env=_env(8), capture_output=True, text=True,
-                            timeout=TIMEOUT, check=False)
-    assert worker.returncode == 0, worker.stderr[-4000:]
-    assert json.loads(worker.stdout.strip().splitlines()[-1])["resharded_leaves"] > 0
-    other_layout = np.load(tmp_path / "other.npz")
-    restored = _restore(ckpt_dir, None)
-    assert restored.step == STEPS and restored.stream_version == final
-    state = restored.state["state"]
-    assert int(state.step) == STEPS
-    flat = _flat(state)
-    assert sorted(flat) == sorted(other_layout.files)
-    for k, x in flat.items():
-      assert x.sharding.device_set == {jax.devices()[0]}
-      got = np.asarray(x)
-      assert got.dtype == other_layout[k].dtype and got.tobytes() == other_layout[k].tobytes(), k
-    streamed = {p: np.asarray(x) for p, x in fmt.flatten(sub.params).items()}
-    served = {p: np.asarray(x.astype(streamed[p].dtype))
-              for p, x in fmt.flatten(state.params).items()}
-    assert sorted(streamed) == sorted(served)
-    for p in streamed:
-      assert streamed[p].tobytes() == served[p].tobytes(), p
+    worker_out = open(tmp_path / "restore.out", "w+", encoding="utf-8")
+    worker_err = open(tmp_path / "restore.err", "w+", encoding="utf-8")
+    worker = subprocess.Popen([sys.executable, str(HERE), ckpt_dir, str(tmp_path / "other.npz")],
+                              cwd=str(REPO), env=_env(8), stdout=worker_out, stderr=worker_err,
+                              text=True)
+    try:
+      _check_run_stream_and_checkpoint(tmp_path, root, ckpt_dir, summary, other, host_code,
+                                       worker)
+    finally:
+      if worker.poll() is None:
+        worker.kill()
+        worker.wait()
+      worker_out.close()
+      worker_err.close()
+
+
+def _check_run_stream_and_checkpoint(tmp_path, root, ckpt_dir, summary, other, host_code,
+                                     worker):
+  import jax
+  import numpy as np
+  from rljax.pipeline.metrics import read_jsonl
+  from rljax.sync import Store, Subscriber
+  from rljax.sync import manifest as fmt
+  # the run: process 0's summary, lineage and queue, resumed; process 1 wrote nothing
+  assert summary["processes"] == 2 and summary["devices"] == 8
+  assert summary["updates"] == STEPS and summary["resumed_from_update"] == 2
+  assert summary["resumed_stream_version"] == 2 and host_code == 0
+  final = summary["steps"]  # versions the dead run published after update 2 are skipped
+  q = summary["queue"]
+  assert q["trained"] == 4 * STEPS + summary["requeued_after_rollback"]  # lost ones too
+  assert q["submitted"] == (q["trained"] + q["dropped"] + q["pending"] + q["leased"]
+                            + q["ready"]), q
+  assert other == {"process_index": 1, "processes": 2, "updates": STEPS, "steps": final,
+                   "workdir": str(tmp_path / "trainer1"),
+                   "heldout_pass1_after": summary["heldout_pass1_after"]}  # one SPMD eval
+  lineage = read_jsonl(tmp_path / "trainer0" / "trained_groups.jsonl")
+  assert [l["update"] for l in lineage] == list(range(1, STEPS + 1))  # cut back, redone
+  versions = [l["version"] for l in lineage]
+  assert versions[:2] == [1, 2] and versions == sorted(versions) and versions[-1] == final
+  groups = [g for l in lineage for g in l["groups"]]
+  assert len(groups) == len(set(groups)) == 4 * STEPS  # none trained twice
+  tasks = [t["task_id"] for l in lineage for t in l["tasks"]]
+  assert len(tasks) == len(set(tasks))  # a requeued task is not trained twice either
+  assert {h for l in lineage for h in l["hosts"]} == {"host0"}
+  records = read_jsonl(tmp_path / "trainer0" / "metrics.jsonl")
+  trained = [r["updates"] for r in records if r["phase"] == "async"]
+  assert trained[:3] == [1, 2, 3] and trained[-2:] == [3, 4], trained  # 3: the lost one
+  tokens = summary["own_version_tokens"]  # every token re-scored with its version ...
+  assert tokens["checked"] > 0  # ... but the abandoned versions' (no longer held)
+  evals = [r for r in records if r["phase"] == "eval"]
+  assert len(evals) == 4  # init, before; before (resumed), after
+  assert not (tmp_path / "trainer1" / "metrics.jsonl").exists()
+
+  # the stream: every version's shards written once, by one process, all of them covered
+  store = Store.open(f"{root}/stream/")
+  for v in range(final + 1):
+    raw = store.read(fmt.manifest_key(v))
+    if raw is None:  # the dead run's, cut short
+      continue
+    manifest = fmt.Manifest.from_bytes(raw)
+    by_process = []
+    for proc in range(2):
+      index = json.loads(store.read(fmt.index_key(v, proc)))
+      by_process.append({e["key"] for group in index.values() for entries in group.values()
+                         for e in entries})
+    assert by_process[0] and by_process[1] and not by_process[0] & by_process[1], v
+    want = {s.key for group in (manifest.tensors, manifest.deltas or {})
+            for t in group.values() for s in t.shards}
+    assert by_process[0] | by_process[1] == want, v
+  sub = Subscriber(f"{root}/stream/")
+  assert sub.poll() == final and not sub.stats.errors  # checksums of every delta
+
+  # the checkpoint: both processes' parts; restored in another process onto 8 devices
+  # in another layout, and here onto one device; the serving bits are the stream's
+  from etils import epath
+  state_dir = epath.Path(ckpt_dir) / str(STEPS) / "state"
+  assert (state_dir / "ocdbt.process_0").exists() and (state_dir / "ocdbt.process_1").exists()
+  restored = _restore(ckpt_dir, None)
+  assert restored.step == STEPS and restored.stream_version == final
+  state = restored.state["state"]
+  assert int(state.step) == STEPS
+  flat = _flat(state)
+  code = worker.wait(timeout=TIMEOUT)
+  assert code == 0, (tmp_path / "restore.err").read_text()[-4000:]
+  assert json.loads((tmp_path / "restore.out").read_text().strip().splitlines()[-1])[
+      "resharded_leaves"] > 0
+  other_layout = np.load(tmp_path / "other.npz")
+  assert sorted(flat) == sorted(other_layout.files)
+  for k, x in flat.items():
+    assert x.sharding.device_set == {jax.devices()[0]}
+    got = np.asarray(x)
+    assert got.dtype == other_layout[k].dtype and got.tobytes() == other_layout[k].tobytes(), k
+  streamed = {p: np.asarray(x) for p, x in fmt.flatten(sub.params).items()}
+  served = {p: np.asarray(x.astype(streamed[p].dtype))
+            for p, x in fmt.flatten(state.params).items()}
+  assert sorted(streamed) == sorted(served)
+  for p in streamed:
+    assert streamed[p].tobytes() == served[p].tobytes(), p
 
 
 def _config():
@@ -269,7 +290,7 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
   port = free_port()
   flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
-      "--config.rl.steps=2", "--config.numerics=deterministic"]  # FLAGS: no SFT
+      "--config.rl.steps=2"]  # FLAGS: no SFT, deterministic
   outs = run_together(
       [[sys.executable, str(REPO / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'run'}",
         "--progress=false", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
