@@ -44,6 +44,7 @@ def test_each_process_feeds_its_part_and_the_update_is_the_whole_batchs(tmp_path
     assert r["own_rows_fed"] and r["seq_ids"] == [8 * i, 8 * i + 7]
     assert r["advantages_whole"]
     assert r["metrics_equal"], (r["metrics"], r["ref_metrics"])
+    assert r["update_size"] > 0, r  # the update moved the params
     assert r["params_max_abs_diff"] == 0.0, r  # the same program on the same global data
     assert r["check"]["parts"] == r["check"]["whole"] > 0
     assert r["check"]["tokens"] == r["check"]["whole_tokens"] > 0
@@ -119,7 +120,9 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   config.model.update(SMALL_MODEL)
   config.numerics = "deterministic"
   config.mesh.update({"fsdp": 4, "expert": 2})
-  config.rl.update(dict(prompts_per_step=PROMPTS, group_size=GROUP, microbatches=2))
+  # warmup 0: the first update moves the params (at warmup's first step the rate is 0)
+  config.rl.update(dict(prompts_per_step=PROMPTS, group_size=GROUP, microbatches=2,
+                        warmup_steps=0))
   config.sft.update(dict(steps=0, target_pass1=0.0))
   config.log.tensorboard = False
   built = build(config, ASYNC_TRAINER)
@@ -163,17 +166,19 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   out["seq_ids"] = [int(ids.min()), int(ids.max())]
   out["advantages_whole"] = bool(np.array_equal(np.asarray(fed.advantages)[0], adv.values))
 
-  # the update from the parts, and from the whole batch fed as replicated numpy
-  metrics = grpo_update.train_on_groups(run, parted, mine, adv)
+  # the update from the parts, and from the whole batch fed as replicated numpy, both from
+  # the start params (the reference learner is made before the parts' update)
   reference = grpo_update.grpo_learner(run)
+  metrics = grpo_update.train_on_groups(run, parted, mine, adv)
+  max_diff = jax.jit(lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(x - y)) for x, y in zip(
+      jax.tree.leaves(a), jax.tree.leaves(b))])))  # a replicated scalar: every process reads it
+  out["update_size"] = float(max_diff(run.state.params, reference.state.params))
   ref_state, ref_metrics = reference.step_fn(reference.state, whole, 0)
   ref_metrics = jax.device_get(ref_metrics)
   keys = sorted(set(ref_metrics) - set(adv.stats))  # the step's own figures
   out["metrics"] = {k: float(metrics[k]) for k in keys}
   out["ref_metrics"] = {k: float(ref_metrics[k]) for k in keys}
   out["metrics_equal"] = all(np.array_equal(metrics[k], ref_metrics[k]) for k in keys)
-  max_diff = jax.jit(lambda a, b: jnp.max(jnp.stack([jnp.max(jnp.abs(x - y)) for x, y in zip(
-      jax.tree.leaves(a), jax.tree.leaves(b))])))  # a replicated scalar: every process reads it
   out["params_max_abs_diff"] = float(max_diff(run.state.params, ref_state.params))
 
   # the fidelity check: the parts' figure is the whole batch's (version 1 is not held)
