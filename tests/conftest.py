@@ -18,8 +18,8 @@ install_deterministic_xla_flags()
 import jax
 import pytest
 
-from time_budget import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: F401
-                         pytest_sessionstart, pytest_terminal_summary)
+from tests.time_budget import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: F401
+                               pytest_sessionstart, pytest_terminal_summary)
 
 from rljax.model import ModelConfig, init_params
 from rljax.model.params import cast, scale_matrices

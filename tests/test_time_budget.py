@@ -5,7 +5,7 @@ import pathlib
 import subprocess
 import sys
 
-from time_budget import BUDGET, over_budget
+from tests.time_budget import BUDGET, over_budget
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
