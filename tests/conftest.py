@@ -35,17 +35,7 @@ from tests.time_budget import (pytest_runtest_logreport, pytest_sessionfinish,  
 from rljax.model import ModelConfig, init_params
 from rljax.model.params import cast, scale_matrices
 
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, intermediate_size=96, mlp_only_layers=(0,),
-            max_position_embeddings=256, page_size=16)
-
-
-# The engine shape tests share unless a test is about shapes (slot counts, page pressure):
-# 8 slots, 128-token rows, 65 pages (8 x 8 + the null page), one prefill program. Each
-# program then compiles once per run and the persistent cache serves every later file and
-# process (compiling is most of what engine tests cost on CPU).
-ENGINE = dict(num_slots=8, max_seq_len=128, num_pages=65, prefill_buckets=False)
+from tests.shapes import TINY
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from configs import tiny_moe  # noqa: E402
+from tests.shapes import TINY  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.model import ModelConfig, forward, init_params, scoring  # noqa: E402
 from rljax.model.params import scale_matrices  # noqa: E402
@@ -69,7 +69,7 @@ def cosine(leaves, ref_leaves) -> float:
 
 
 def main():
-  cfg = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved("cpu", DET)
+  cfg = ModelConfig(**TINY).resolved("cpu", DET)
   params = init_params(cfg, jax.random.key(0), "float32")
   params = scale_matrices(params, 10.0)
   rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs import tiny_moe  # noqa: E402
+from tests.shapes import TINY  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.model import ModelConfig, forward, init_params, param_shardings  # noqa: E402
 from rljax.model.params import cast, scale_matrices  # noqa: E402
@@ -48,7 +48,7 @@ LAYOUTS = {
 
 def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast"), layouts=tuple(LAYOUTS)):
   assert jax.device_count() == 8, jax.devices()
-  base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  base = ModelConfig(**TINY)
   rng = np.random.default_rng(0)
   seqs = [rng.integers(1, base.vocab_size, size=n) for n in
           (37, 20, 9, 16, 30, 5, 44, 17, 26, 12, 3, 40, 28, 8, 19, 33)]
@@ -77,8 +77,8 @@ def main(dtypes=("bfloat16", "float32"), modes=("deterministic", "fast"), layout
 
   results = {}
   for dtype in dtypes:
-    cfg = ModelConfig.from_dict({**tiny_moe.get_config().model.to_dict(), "dtype": dtype,
-                                 "param_dtype": dtype}).resolved("cpu", "deterministic")
+    cfg = ModelConfig(**{**TINY, "dtype": dtype, "param_dtype": dtype}).resolved(
+        "cpu", "deterministic")
     params = init_params(cfg, jax.random.key(0), "float32")
     params = cast(scale_matrices(params, 10.0), dtype)
     for mode in modes:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import tiny_moe
+from tests.shapes import TINY
 from rljax import block_attention
 from rljax.model import ModelConfig, PagedKV, forward, init_params, scoring
 from rljax.numerics import Numerics
@@ -123,7 +123,7 @@ def test_the_model_runs_deterministic_attention_on_the_configured_kernel():
   # packed training forward and one-token paged decode steps over scrambled pages give the
   # jnp path's log-prob bits, and training gradients flow (the fast path's VJP); lowered
   # for a TPU with "pallas_tpu", the kernel is in the program
-  base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved("cpu", DET)
+  base = ModelConfig(**TINY).resolved("cpu", DET)
   params = init_params(base, jax.random.key(0))
   rng = np.random.default_rng(3)
   seqs = [rng.integers(1, base.vocab_size, size=n) for n in (9, 17, 30)]

@@ -23,7 +23,7 @@ from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
 from rljax.rl.trajectory import FinishReason
 
-from conftest import ENGINE
+from tests.shapes import ENGINE
 
 DET = Numerics("deterministic")
 EOS = 2

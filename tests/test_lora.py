@@ -20,7 +20,7 @@ from rljax.model.lora import (DEFAULT_TARGETS, LoraConfig, adapter_axes, init_ad
                               merge)
 from rljax.model.scoring import next_token_targets
 from rljax.numerics import Numerics
-from tests.conftest import TINY
+from tests.shapes import TINY
 
 DET = Numerics("deterministic")
 LORA = LoraConfig(rank=4, alpha=8.0, targets=DEFAULT_TARGETS + ("moe.router",))
@@ -39,6 +39,7 @@ class _FakeMesh:
 
 
 def test_adapters_mirror_their_base_weights_and_shard_like_them(tiny_cfg):
+  tiny_cfg = dataclasses.replace(tiny_cfg, num_hidden_layers=3)  # two MoE layers stacked
   ad = init_adapters(tiny_cfg, LORA, jax.random.key(0))
   axes = adapter_axes(tiny_cfg, LORA)
   moe, dense = ad["layers"]["moe"], ad["layers"]["dense"]

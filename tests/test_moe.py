@@ -17,6 +17,7 @@ from configs import qwen3_30b_a3b, tiny_moe
 from rljax import aot
 from rljax.model import ModelConfig, forward, init_params, moe
 from rljax.numerics import Numerics
+from tests.shapes import TINY
 
 FAST = Numerics("fast")
 DET = Numerics("deterministic")
@@ -226,7 +227,7 @@ def test_the_model_runs_its_tiles_on_the_configured_kernel():
   # the tiny policy's training forward with `expert_kernel="pallas_interpret"`: the same
   # log-prob bits as with the jnp tiles (deterministic numerics); lowered for a TPU with
   # "pallas_tpu", the kernel is in the program
-  base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict()).resolved("cpu", DET)
+  base = ModelConfig(**TINY).resolved("cpu", DET)
   params = init_params(base, jax.random.key(0))
   rng = np.random.default_rng(8)
   tokens = jnp.asarray(rng.integers(1, base.vocab_size, size=(2, 32)), jnp.int32)

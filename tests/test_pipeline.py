@@ -27,7 +27,7 @@ from rljax.pipeline.core import rows_for
 from rljax.pipeline import wire
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
-from conftest import ENGINE
+from tests.shapes import ENGINE
 
 DET = Numerics("deterministic")
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from rljax.model.packing import pack
 from rljax.model.params import cast, layer_params, param_specs, scale_matrices
 from rljax.numerics import Numerics
 
-from conftest import TINY
+from tests.shapes import TINY
 
 DET = Numerics("deterministic")
 
@@ -98,6 +98,7 @@ def test_scanned_paged_prefill_and_decode_equal_unrolled(tiny_cfg, name):
 
 
 def test_stacked_layout(tiny_cfg):
+  tiny_cfg = dataclasses.replace(tiny_cfg, num_hidden_layers=3)  # two MoE layers to stack
   specs = param_specs(tiny_cfg)
   assert set(specs["layers"]) == {"dense", "moe"}
   gate = specs["layers"]["moe"]["moe"]["gate"]

@@ -6,7 +6,7 @@ import pytest
 
 from rljax import sharding as sharding_lib
 from rljax.model import ModelConfig, logical_axes
-from tests.conftest import TINY
+from tests.shapes import TINY
 
 
 class _FakeMesh:
