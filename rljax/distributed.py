@@ -97,10 +97,42 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                              initialization_timeout=max(1, math.ceil(timeout_s)),
                              heartbeat_timeout_seconds=heartbeat_s)
   sys.excepthook = _exit_at_once(sys.excepthook)
+  if jax.default_backend() == "cpu":
+    _share_cpu_compile_cache()
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def _share_cpu_compile_cache() -> None:
+  """Lets every process of a CPU job load what process 0 wrote to JAX's persistent
+  compilation cache. JAX keys an entry by its devices' topology fingerprint, which on CPU
+  differs per process (the only part of the key that differs: measured), and only process
+  0 writes, so the others never hit and compile every program on every start (a GRPO
+  step: 10 s per start of a 2-process test job). On CPU the key takes the global ids and
+  kinds of the devices instead, the same in every process of the job. TPU and GPU keep
+  JAX's key. It replaces a private JAX function: if that moves, a warning says so and the
+  job runs as before (tests/test_distributed_job.py fails)."""
+  from jax._src import cache_key  # pylint: disable=g-import-not-at-top
+
+  jax_hash = getattr(cache_key, "_hash_accelerator_config", None)
+  if jax_hash is None:
+    logging.warning("jax._src.cache_key._hash_accelerator_config is gone: processes other "
+                    "than 0 compile every program (they miss process 0's cache entries)")
+    return
+  if getattr(jax_hash, "rljax_cpu", False):
+    return
+
+  def hash_devices(hash_obj, accelerators) -> None:
+    devices = list(accelerators.flat)
+    if not devices or any(d.platform != "cpu" for d in devices):
+      return jax_hash(hash_obj, accelerators)
+    for d in devices:
+      hash_obj.update(f"{d.id}/{d.process_index}/{d.device_kind};".encode())
+
+  hash_devices.rljax_cpu = True
+  cache_key._hash_accelerator_config = hash_devices  # pylint: disable=protected-access
 
 
 def _exit_at_once(print_exception: Callable) -> Callable:

@@ -5,6 +5,8 @@ tests/test_distributed_job.py:
       at a reduce-scatter's first run, the program wrapped by `started_together`
   python tests/distributed_worker.py PORT PROCESS_ID raises   process 1 raises while
       process 0 waits for it in an all-gather
+  python tests/distributed_worker.py PORT PROCESS_ID cached   runs the reduce-scatter with
+      the persistent compilation cache of JAX_COMPILATION_CACHE_DIR, counting cache hits
 
 Prints one JSON object last.
 """
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import monitoring  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -36,6 +39,9 @@ def reduce_scatter(mesh):
 def main(port: str, process_id: int, mode: str) -> None:
   distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                          local_device_count=2, heartbeat_s=10)
+  hits = []
+  monitoring.register_event_listener(
+      lambda name, **_: hits.append(name) if name.endswith("/cache_hits") else None)
   mesh = Mesh(np.array(jax.devices()), ("x",))
   warm = multihost_utils.process_allgather(np.full(3, process_id))  # both joined, Gloo up
   if mode == "late":
@@ -46,6 +52,11 @@ def main(port: str, process_id: int, mode: str) -> None:
       time.sleep(LATE_S)
     total = float(multihost_utils.process_allgather(step(x), tiled=True).sum())
     print(json.dumps({"process": process_id, "sum": total}), flush=True)
+  elif mode == "cached":
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                               np.ones(16, np.float32))
+    total = float(multihost_utils.process_allgather(reduce_scatter(mesh)(x), tiled=True).sum())
+    print(json.dumps({"process": process_id, "sum": total, "hits": len(hits)}), flush=True)
   elif mode == "raises":
     if process_id == 1:
       raise RuntimeError("process 1 fails here")

@@ -105,8 +105,8 @@ def worker(port: int, process_id: int, workdir: str) -> None:
   from rljax.numerics import install_deterministic_xla_flags
   install_deterministic_xla_flags()
   import jax
-  jax.config.update("jax_num_cpu_devices", 4)
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+  from rljax import distributed
+  distributed.initialize(f"127.0.0.1:{port}", 2, process_id, local_device_count=4)
   import dataclasses
   import jax.numpy as jnp
   import numpy as np
