@@ -289,7 +289,8 @@ def _grpo(workdir, *overrides):
          "--config.sft.probe_every=10", "--config.sft.probe_tasks=8",
          "--config.rl.steps=3", "--config.rl.prompts_per_step=4", "--config.rl.group_size=4",
          "--config.eval.num_tasks=8", "--config.eval.n=4", "--config.eval.k=4",
-         "--config.eval.every=2", "--config.engine.num_slots=16", *overrides]
+         "--config.eval.every=2", "--config.engine.num_slots=16",
+         "--config.model.num_hidden_layers=2", *overrides]  # plumbing: arith_tiny's 4 not needed
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   def strict(name):  # NaN / Infinity are not JSON
@@ -403,7 +404,8 @@ def test_the_sft_checkpoint_warm_starts_a_deterministic_run_with_zero_mismatch(f
   assert det["steps"] == 3 and "sft_loaded_from" in det
   # a finished run's workdir is not run into again
   cmd = [sys.executable, str(ROOT / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'det'}",
-         "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}"]
+         "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}",
+         "--config.model.num_hidden_layers=2"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "final_params exists (a finished run's)" in proc.stderr
   (tmp_path / "killed").mkdir()  # a run killed before it finished left its metrics
