@@ -283,14 +283,18 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_a_plot(tmp_path):
   assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
+# the grpo.py runs test plumbing (checkpoints, resume refusals, export), not learning:
+# arith_tiny with 2 of its 4 layers compiles and runs in about half the time
+TWO_LAYERS = ("--config.model.num_hidden_layers=2",)
+
+
 def _grpo(workdir, *overrides):
   cmd = [sys.executable, str(ROOT / "experiments" / "grpo.py"), f"--workdir={workdir}",
          "--progress=false", "--config.sft.steps=30", "--config.sft.log_every=10",
          "--config.sft.probe_every=10", "--config.sft.probe_tasks=8",
          "--config.rl.steps=3", "--config.rl.prompts_per_step=4", "--config.rl.group_size=4",
          "--config.eval.num_tasks=8", "--config.eval.n=4", "--config.eval.k=4",
-         "--config.eval.every=2", "--config.engine.num_slots=16",
-         "--config.model.num_hidden_layers=2", *overrides]  # plumbing: arith_tiny's 4 not needed
+         "--config.eval.every=2", "--config.engine.num_slots=16", *TWO_LAYERS, *overrides]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   def strict(name):  # NaN / Infinity are not JSON
@@ -404,8 +408,7 @@ def test_the_sft_checkpoint_warm_starts_a_deterministic_run_with_zero_mismatch(f
   assert det["steps"] == 3 and "sft_loaded_from" in det
   # a finished run's workdir is not run into again
   cmd = [sys.executable, str(ROOT / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'det'}",
-         "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}",
-         "--config.model.num_hidden_layers=2"]
+         "--progress=false", f"--config.sft.load={fast_run[0] / 'sft_checkpoint'}", *TWO_LAYERS]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "final_params exists (a finished run's)" in proc.stderr
   (tmp_path / "killed").mkdir()  # a run killed before it finished left its metrics
@@ -421,7 +424,8 @@ def test_the_trained_weights_export_to_transformers(fast_run, tmp_path):
   from rljax.model.hf_import import load_hf_checkpoint  # pylint: disable=g-import-not-at-top
   out = tmp_path / "hf"
   cmd = [sys.executable, str(ROOT / "experiments" / "export_hf.py"),
-         f"--params={fast_run[1]['final_params']}", f"--out={out}", "--dtype=float32"]
+         f"--params={fast_run[1]['final_params']}", f"--out={out}", "--dtype=float32",
+         *TWO_LAYERS]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   env = ArithmeticEnv(min_digits=3, max_digits=3, ops=("+",))
