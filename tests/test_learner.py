@@ -242,9 +242,10 @@ def test_kl_coef_adds_the_kl_penalty_to_the_loss_and_its_gradient(tiny_cfg, tiny
   trajs, adv = rollouts
   opt = learner.make_optimizer(1e-3)
   rng = np.random.default_rng(5)
-  reference = jax.tree.map(lambda x: jnp.asarray(
+  reference = jax.device_put(jax.tree.map(lambda x: jnp.asarray(
       (np.asarray(x, np.float32) * (1 + 1e-2 * rng.standard_normal(x.shape))).astype(
-          np.float32)).astype(x.dtype), tiny_params)
+          np.float32)).astype(x.dtype), tiny_params), jax.devices()[0])  # committed, as
+  # serving_params hands the reference over: kl_coef 0 is then the previous test's program
   batch = split_microbatches(_batch(tiny_cfg, trajs, adv), 1)
   out = {}
   for coef in (0.0, 0.5):
