@@ -32,10 +32,9 @@ import pytest
 from tests.time_budget import (pytest_runtest_logreport, pytest_sessionfinish,  # noqa: F401
                                pytest_sessionstart, pytest_terminal_summary)
 
-from rljax.model import ModelConfig, init_params
-from rljax.model.params import cast, scale_matrices
+from rljax.model import ModelConfig
 
-from tests.shapes import TINY
+from tests.shapes import TINY, sharp_params
 
 
 @pytest.fixture(scope="session")
@@ -47,10 +46,7 @@ def tiny_cfg() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
-  # std 0.02 init makes a nearly uniform policy; larger weights make routing and
-  # attention sharp enough that a one-ulp difference would show.
-  params = init_params(tiny_cfg, jax.random.key(0), "float32")
-  return cast(scale_matrices(params, 10.0), "bfloat16")
+  return sharp_params(tiny_cfg)
 
 
 # `make test` hands whole files to two pytest-xdist workers in collection order

@@ -222,14 +222,12 @@ def test_engine_decode_through_the_kernel_matches_the_jnp_path(tiny_cfg):
   import dataclasses  # pylint: disable=g-import-not-at-top
   from rljax.engine.engine import DecodeEngine, Request, SamplingParams  # pylint: disable=g-import-not-at-top
   from rljax.numerics import Numerics  # pylint: disable=g-import-not-at-top
-  from rljax.model import init_params  # pylint: disable=g-import-not-at-top
-  from rljax.model.params import cast, scale_matrices  # pylint: disable=g-import-not-at-top
+  from tests.shapes import sharp_params  # pylint: disable=g-import-not-at-top
   # three layers, as when these tokens were checked: greedy decoding matches only away from
   # near-ties, and with the suite's two-layer model one of these prompts has one (a token
   # flips at its third step); its programs are this test's own either way
   deep = dataclasses.replace(tiny_cfg, num_hidden_layers=3)
-  params = cast(scale_matrices(init_params(deep, jax.random.key(0), "float32"), 10.0),
-                "bfloat16")
+  params = sharp_params(deep)
   runs = {}
   for attention in ("reference", "pallas_interpret"):
     cfg = dataclasses.replace(deep, decode_attention=attention)

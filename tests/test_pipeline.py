@@ -27,7 +27,7 @@ from rljax.pipeline.core import rows_for
 from rljax.pipeline import wire
 from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 
-from tests.shapes import ENGINE
+from tests.shapes import ENGINE, TWO_LAYERS
 
 DET = Numerics("deterministic")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -281,11 +281,6 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_a_plot(tmp_path):
   assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
   plot_reward_curve(records, str(tmp_path / "curve.png"))
   assert (tmp_path / "curve.png").stat().st_size > 1000
-
-
-# the grpo.py runs test plumbing (checkpoints, resume refusals, export), not learning:
-# arith_tiny with 2 of its 4 layers compiles and runs in about half the time
-TWO_LAYERS = ("--config.model.num_hidden_layers=2",)
 
 
 def _grpo(workdir, *overrides):

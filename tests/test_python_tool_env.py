@@ -24,6 +24,7 @@ from rljax.numerics import Numerics
 from rljax.pipeline.metrics import read_jsonl
 from rljax.pipeline.rollout import episode_info_means, generate_groups
 from rljax.rl.trajectory import Outcome
+from tests.shapes import TWO_LAYERS
 
 TOK = CharTokenizer()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -233,8 +234,7 @@ def test_a_short_run_of_the_config_reports_tool_metrics(tmp_path):
          "--config=configs/python_tool_tiny.py", f"--workdir={tmp_path}", "--progress=false",
          "--config.sft.steps=50", "--config.sft.log_every=25", "--config.sft.target_pass1=0",
          "--config.rl.steps=2", "--config.rl.prompts_per_step=4", "--config.rl.group_size=4",
-         "--config.eval.num_tasks=4", "--config.engine.num_slots=16",
-         "--config.model.num_hidden_layers=2"]
+         "--config.eval.num_tasks=4", "--config.engine.num_slots=16", *TWO_LAYERS]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
