@@ -95,9 +95,16 @@ def install_deterministic_xla_flags() -> None:
         "Make Numerics('deterministic') or call "
         "rljax.numerics.install_deterministic_xla_flags() before the first JAX "
         "computation, or put the flags in XLA_FLAGS.")
-  names = {d.split("=")[0] for d in DETERMINISTIC_XLA_FLAGS}  # other values of them go
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
-  os.environ["XLA_FLAGS"] = " ".join(flags + list(DETERMINISTIC_XLA_FLAGS))
+  os.environ["XLA_FLAGS"] = with_xla_flags(os.environ.get("XLA_FLAGS", ""),
+                                           DETERMINISTIC_XLA_FLAGS)
+
+
+def with_xla_flags(xla_flags: str, flags: tuple[str, ...] = (),
+                   without: tuple[str, ...] = ()) -> str:
+  """An XLA_FLAGS string: `xla_flags` with `flags` appended and the flags named in
+  `without` dropped; any other value of a flag in either is dropped too."""
+  names = {f.split("=")[0] for f in (*flags, *without)}
+  return " ".join([f for f in xla_flags.split() if f.split("=")[0] not in names] + list(flags))
 
 
 @jax.custom_jvp

@@ -8,16 +8,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# Compiling is most of what the suite costs on CPU, and its programs are tiny: LLVM without
-# its expensive passes compiles them faster and runs them no slower (cold cache: test_engine
-# 122 -> 109 s, the learning tests 81 -> 77 s). Lower LLVM levels were faster still (O1
-# 104 s) but at O1 one function compiled into two programs (plain jax.nn.log_softmax, no
-# deterministic numerics) gave different bits: notebook 02's exact staleness-0 check failed.
-# This process and every process it starts use them.
-TEST_XLA_FLAGS = ("--xla_llvm_disable_expensive_passes=true",)
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split()
-     if f.split("=")[0] not in {t.split("=")[0] for t in TEST_XLA_FLAGS}] + list(TEST_XLA_FLAGS))
+# Compiling for speed of compiling (tests/xla_flags.py), in this process and every process
+# it starts.
+from tests import xla_flags
+
+xla_flags.install()
 
 # The suite runs both numerics modes in this one process, so it takes the deterministic
 # XLA flags before JAX starts (fast-mode tests pay for them; entry points run in their own

@@ -12,13 +12,16 @@ import pathlib
 import subprocess
 import sys
 
+from tests.xla_flags import production_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "device_check.py"
 
 
-def _run(*args: str) -> tuple[int, dict]:
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", *args], cwd=ROOT,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"} if env is None else env
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", *args], cwd=ROOT, env=env,
+                        capture_output=True,
                         text=True, timeout=300, check=False)  # a hang guard
   lines = proc.stdout.strip().splitlines()
   assert lines, proc.stderr[-3000:]
@@ -26,7 +29,10 @@ def _run(*args: str) -> tuple[int, dict]:
 
 
 def test_kernels_and_engine_equals_trainer():
-  rc, report = _run("--sections=platform,grouped_matmul,paged_attention,engine_vs_trainer")
+  # compiled as the product compiles (the rest of the suite runs LLVM at -O0): engine =
+  # trainer bitwise at XLA's default optimization level
+  rc, report = _run("--sections=platform,grouped_matmul,paged_attention,engine_vs_trainer",
+                    env=production_env(JAX_PLATFORMS="cpu"))
   assert rc == 0 and report["ok"] is True, report
   assert report["platform"]["backend"] == "cpu"
   gmm = report["grouped_matmul"]

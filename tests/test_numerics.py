@@ -16,6 +16,7 @@ import pytest
 
 from rljax import numerics
 from rljax.numerics import Numerics, det_exp, det_log, tree_sum
+from tests.xla_flags import production_env
 
 DET, FAST = Numerics("deterministic"), Numerics("fast")
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -56,9 +57,9 @@ print(json.dumps({"flags": numerics.deterministic_xla_flags_set(), "fma": _contr
 
 def _probe(mode: str, compute_first: bool = False) -> dict:
   """A fresh process that sets itself up for `mode`, without this process's flags."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if f not in numerics.DETERMINISTIC_XLA_FLAGS]
-  env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+  env = production_env()  # XLA's own optimization level: at -O0 it contracts no FMA either
+  env["XLA_FLAGS"] = numerics.with_xla_flags(env["XLA_FLAGS"],
+                                             without=numerics.DETERMINISTIC_XLA_FLAGS)
   out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(int(compute_first))], env=env,
                        cwd=REPO, capture_output=True, text=True, check=True, timeout=300)
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -180,3 +181,10 @@ def test_det_matmul_pads_rows_and_gives_f32_weight_gradients():
 def test_bad_mode_is_rejected():
   with pytest.raises(ValueError, match="numerics mode"):
     Numerics("exact")
+
+
+def test_with_xla_flags_sets_each_flag_once_and_drops_the_named_ones():
+  got = numerics.with_xla_flags("--a=1 --b=2 --c --xla_cpu_max_isa=AVX512",
+                                ("--xla_cpu_max_isa=AVX", "--d=4"), without=("--b", "--c=9"))
+  assert got == "--a=1 --xla_cpu_max_isa=AVX --d=4"
+  assert numerics.with_xla_flags("", without=("--a",)) == ""
