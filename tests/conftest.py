@@ -47,17 +47,15 @@ def tiny_params(tiny_cfg):
 # `make test` hands whole files to two pytest-xdist workers in collection order
 # (--dist loadfile --no-loadscope-reorder), so the files with the most work (cold compile
 # cache) go first and the last ones to start are short; the rest keep pytest's order.
-HEAVIEST_FIRST = (  # worker seconds per file, clean clone, -n 2, load 4-8: 3519 s in all
-    "test_pipeline.py", "test_engine.py", "test_multihost.py", "test_sharded.py",  # 592-320
-    "test_notebooks.py", "test_learner.py", "test_async_pipeline.py",  # 228-213
-    "test_lora_stream.py",  # ~190 (its tests' first runs, load 3-4), 84 with a warm cache
-    "test_model_invariance.py", "test_scan_layers.py", "test_rollout_host.py",  # 175-111
-    "test_engine_sharded.py", "test_own_checkpoint_e2e.py", "test_learning.py",  # 110-91
-    "test_learning_external.py",  # ~100 (2 x 30 GRPO steps from shipped starts)
-    "test_python_tool_env.py", "test_openai_endpoint.py",  # ~150, ~100
-    "test_agent_harnesses.py",  # ~30-60 (verifiers, openai-agents, smolagents + a GRPO step)
-    "test_hf_import.py", "test_device_check.py",  # 73, ~90 (3 subprocess runs)
-    "test_batch_parts.py",  # 49-51
+HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 1463 s in all
+    "test_pipeline.py", "test_learning_external.py", "test_multihost.py",  # 124-92
+    "test_notebooks.py", "test_sharded.py", "test_learner.py",  # 77-68
+    "test_device_check.py", "test_python_tool_env.py", "test_engine.py",  # 62-59
+    "test_lora_stream.py", "test_async_pipeline.py", "test_openai_endpoint.py",  # 50-48
+    "test_model_invariance.py", "test_sandbox.py", "test_distributed_job.py",  # 43-42
+    "test_learning.py", "test_rollout_host.py", "test_batch_parts.py",  # 40-33
+    "test_hf_import.py", "test_own_checkpoint_e2e.py", "test_lora.py",  # 31-30
+    "test_scan_layers.py", "test_det_attention_kernel.py", "test_engine_sharded.py",  # 29-25
 )
 
 

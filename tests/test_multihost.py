@@ -9,7 +9,7 @@ GRPO step (fsdp 4 x expert 2 across processes), publish each version writing onl
 shards they hold, and write their part of one orbax checkpoint (on gs:// too: orbax
 reaches it through etils.epath and gcsfs, pointed at the emulator by
 STORAGE_EMULATOR_HOST). Process 1 is killed after update 3; process 0 aborts once its
-heartbeats stop (10 s); both restart from update 2's checkpoint. Checked here: the
+heartbeats stop (HEARTBEAT_S); both restart from update 2's checkpoint. Checked here: the
 survivor's abort, the resumed run (summary, host exit code, lineage cut back and redone,
 no group or task trained twice, queue accounting, trained tokens re-scored on the 8-device
 mesh with the weights of their versions: check_versions_groups), every version's shards
@@ -42,7 +42,11 @@ HOST = REPO / "experiments" / "rollout_host.py"
 BUCKET = "rljax-multihost"
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
-TIMEOUT = 600  # hang guards: the kill drill alone takes 2-5 min on 2 loaded cores
+TIMEOUT = 600  # hang guards (the kill drill: 50-70 s on 2 cores, cold cache)
+# Heartbeats are sent by a thread of the coordination client that holds no GIL: a loaded
+# core does not delay them by seconds. At 10 s the survivor took 10-15 s of the drill's
+# 50 (cold cache, alone) to abort.
+HEARTBEAT_S = 4
 STEPS = 4
 FLAGS = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "--config.mesh.fsdp=4", "--config.mesh.expert=2", "--config.sft.steps=0",
@@ -71,18 +75,45 @@ def _env(devices: int) -> dict:
 
 def _trainer_commands(tmp_path, root, *extra) -> list[list[str]]:
   """The trainer's two processes (the same command on each host, but for --process_id);
-  a dead peer is noticed within 10 s (--distributed_heartbeat_s)."""
+  a dead peer is noticed within HEARTBEAT_S (--distributed_heartbeat_s)."""
   port = free_port()
   return [[sys.executable, str(PIPELINE), f"--workdir={tmp_path / f'trainer{i}'}",
            f"--root={root}", "--hosts=0", "--progress=false",
            f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={i}", "--distributed_heartbeat_s=10", *FLAGS, *extra]
+           f"--process_id={i}", f"--distributed_heartbeat_s={HEARTBEAT_S}", *FLAGS, *extra]
           for i in range(2)]
 
 
 def _updates_logged(workdir) -> int:
   path = workdir / "metrics.jsonl"
   return path.exists() and sum('"phase": "async"' in line for line in open(path))
+
+
+@pytest.mark.multidevice
+def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
+  # (first in the file: its programs are most of the kill drill's, which then starts warm,
+  # 47 -> 40 s alone)
+  # experiments/grpo.py on 2 processes x 4 devices, one workdir: one SPMD engine over the
+  # 8-device mesh samples every group on both processes, each feeds its part of the batch;
+  # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
+  port = free_port()
+  flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
+      "--config.rl.steps=2"]  # FLAGS: no SFT, deterministic
+  outs = run_together(
+      [[sys.executable, str(REPO / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'run'}",
+        "--progress=false", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+        f"--process_id={i}", "--distributed_heartbeat_s=10", *flags] for i in range(2)],
+      timeout_s=TIMEOUT, logs=tmp_path / "lockstep", cwd=str(REPO), env=_env(4))
+  summary, other = outs
+  assert summary["steps"] == 2 and summary["mismatch_tokens"] > 0
+  assert summary["mismatch_max_abs"] == 0.0  # the trainer re-scored every sampled token
+  for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass2_after",
+              "mismatch_max_abs", "mismatch_tokens"):
+    assert other[key] == summary[key], key  # one SPMD run: the same figures everywhere
+  state = tmp_path / "run" / "final_params" / "0" / "state"
+  assert (state / "ocdbt.process_0").exists() and (state / "ocdbt.process_1").exists()
+  records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert sum('"phase": "grpo"' in r for r in records) == 2  # process 0's only
 
 
 @pytest.mark.multidevice
@@ -281,31 +312,6 @@ def restore_worker(ckpt_dir: str, out: str) -> None:
   print(json.dumps({"resharded_leaves": sum(len(x.sharding.device_set) > 1
                                             and not x.sharding.is_fully_replicated
                                             for x in flat.values())}))
-
-
-@pytest.mark.multidevice
-def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
-  # experiments/grpo.py on 2 processes x 4 devices, one workdir: one SPMD engine over the
-  # 8-device mesh samples every group on both processes, each feeds its part of the batch;
-  # deterministic numerics: every trained token's log-prob equals the engine's, bit for bit
-  port = free_port()
-  flags = [f for f in FLAGS if "async_rl" not in f and "rl.steps" not in f] + [
-      "--config.rl.steps=2"]  # FLAGS: no SFT, deterministic
-  outs = run_together(
-      [[sys.executable, str(REPO / "experiments" / "grpo.py"), f"--workdir={tmp_path / 'run'}",
-        "--progress=false", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-        f"--process_id={i}", "--distributed_heartbeat_s=10", *flags] for i in range(2)],
-      timeout_s=TIMEOUT, logs=tmp_path / "lockstep", cwd=str(REPO), env=_env(4))
-  summary, other = outs
-  assert summary["steps"] == 2 and summary["mismatch_tokens"] > 0
-  assert summary["mismatch_max_abs"] == 0.0  # the trainer re-scored every sampled token
-  for key in ("heldout_pass1_before", "heldout_pass1_after", "heldout_pass2_after",
-              "mismatch_max_abs", "mismatch_tokens"):
-    assert other[key] == summary[key], key  # one SPMD run: the same figures everywhere
-  state = tmp_path / "run" / "final_params" / "0" / "state"
-  assert (state / "ocdbt.process_0").exists() and (state / "ocdbt.process_1").exists()
-  records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-  assert sum('"phase": "grpo"' in r for r in records) == 2  # process 0's only
 
 
 def test_single_process_is_a_noop():
