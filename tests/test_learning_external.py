@@ -27,15 +27,23 @@ on 1-2 digit pairs it never saw, sampled 0.755; its gradient norms under the GRP
 30 steps of a 60-step run (2 seeds; TRL's GRPOTrainer from it fell 0.27-0.41), and with it
 the run rose (0.99-1.00 at step 30, no seed below the start). The test runs the first 30
 steps of a 300-step default run (`lockstep.start` / `lockstep.step`) on the 1-2 digit task.
+
+Each run is a process of its own, compiled as the product compiles (`production_env()`:
+XLA's default optimization level; the suite's -O0 programs run about 3x slower and these
+runs are run-bound). This file is also the worker: `python tests/test_learning_external.py
+weak|strong WORKDIR` prints the run's figures as its last line, one JSON object.
 """
 
+import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
-from experiments import study_vs_trl
-from rljax.pipeline import core, lockstep, report
-from rljax.pipeline.run import LOCKSTEP, build
+from tests.xla_flags import production_env
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 START = os.path.join(os.path.dirname(__file__), "data", "external_start")
 STRONG_START = os.path.join(os.path.dirname(__file__), "data", "external_start_2digit")
 STEPS = 30
@@ -47,24 +55,42 @@ HELDOUT = 200
 MAX_FALL = 0.05
 
 
-def _config(tmp_path, **rl):
-  out = tmp_path / "study"
-  shutil.copytree(START, out / "start")
-  job = study_vs_trl.Job("default", 0, STEPS, 0, HELDOUT, str(out))
-  config = study_vs_trl.rljax_config(job)
+def _run(which: str, tmp_path) -> dict:
+  """The worker's figures for the `which` start's run in tmp_path."""
+  proc = subprocess.run([sys.executable, __file__, which, str(tmp_path)], cwd=REPO,
+                        env=production_env(), capture_output=True, text=True,
+                        timeout=600)  # a hang guard
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _config(out: pathlib.Path, start: str, job_args: tuple, **job_kw):
+  # pylint: disable=import-outside-toplevel
+  from experiments import study_vs_trl
+  from rljax import numerics
+  shutil.copytree(start, out / "start")
+  config = study_vs_trl.rljax_config(study_vs_trl.Job(*job_args, str(out), **job_kw))
+  numerics.set_up_process(config.numerics)  # before JAX starts, as the study's runs do
   config.rl.kl_to_start = False  # one program less to compile; the loop is the same
   config.log.tensorboard = False
   config.eval.update(dict(k=1, n=1))  # greedy pass@1 is the measure; one sample for pass@k
-  config.rl.update(rl)
   return config
 
 
 def test_default_recipe_does_not_destroy_an_external_start(tmp_path):
-  summary = lockstep.run_experiment(_config(tmp_path), str(tmp_path / "run"))
+  summary = _run("weak", tmp_path)
   before, after = summary["heldout_pass1_before"], summary["heldout_pass1_after"]
   assert before > 0.2, f"the shipped start should solve a third of the tasks, got {before}"
   assert after >= before - MAX_FALL, (before, after)
   assert summary["collapse_alarms"] == 0
+
+
+def weak(workdir: pathlib.Path) -> dict:
+  from rljax.pipeline import lockstep  # pylint: disable=import-outside-toplevel
+  config = _config(workdir / "study", START, ("default", 0, STEPS, 0, HELDOUT))
+  summary = lockstep.run_experiment(config, str(workdir / "run"))
+  return {k: summary[k] for k in ("heldout_pass1_before", "heldout_pass1_after",
+                                  "collapse_alarms")}
 
 
 
@@ -80,21 +106,29 @@ STRONG_RISE = 0.005
 
 
 def test_default_recipe_improves_a_strong_external_start(tmp_path):
-  out = tmp_path / "study"
-  shutil.copytree(STRONG_START, out / "start")
+  r = _run("strong", tmp_path)
+  before, after = r["before"], r["after"]
+  assert before > 0.9, f"the shipped strong start should solve nearly every task, got {before}"
+  assert after["pass1"] >= before + STRONG_RISE, (before, after["pass1"])
+  assert after["collapse_alarm"] == 0, after
+
+
+def strong(workdir: pathlib.Path) -> dict:
+  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, lockstep, report
+  from rljax.pipeline.run import LOCKSTEP, build
   # the horizon (and so the lr schedule) of a 300-step run; its first STRONG_STEPS run here
-  job = study_vs_trl.Job("default", 0, 300, 0, HELDOUT, str(out), min_digits=1, max_digits=2,
-                         num_tasks=8000)
-  config = study_vs_trl.rljax_config(job)
-  config.rl.kl_to_start = False
-  config.log.tensorboard = False
-  config.eval.update(dict(k=1, n=1))
-  run = core.setup(build(config, LOCKSTEP), str(tmp_path / "run"))
+  config = _config(workdir / "study", STRONG_START, ("default", 0, 300, 0, HELDOUT),
+                   min_digits=1, max_digits=2, num_tasks=8000)
+  run = core.setup(build(config, LOCKSTEP), str(workdir / "run"))
   before = report.run_eval(run, 0, "before")["pass1"]
   loop = lockstep.start(run)  # the lr schedule spans rl.steps
   for _ in range(STRONG_STEPS):
     lockstep.step(run, loop)
   after = report.run_eval(run, run.version, "after")
-  assert before > 0.9, f"the shipped strong start should solve nearly every task, got {before}"
-  assert after["pass1"] >= before + STRONG_RISE, (before, after["pass1"])
-  assert after["collapse_alarm"] == 0, after
+  return {"before": before, "after": {k: after[k] for k in ("pass1", "collapse_alarm")}}
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, str(REPO))
+  print(json.dumps({"weak": weak, "strong": strong}[sys.argv[1]](pathlib.Path(sys.argv[2]))))

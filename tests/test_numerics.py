@@ -2,14 +2,12 @@
 
 import inspect
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import chex
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
