@@ -48,7 +48,7 @@ def tiny_params(tiny_cfg):
 # (--dist loadfile --no-loadscope-reorder), so the files with the most work (cold compile
 # cache) go first and the last ones to start are short; the rest keep pytest's order.
 HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 1463 s in all
-    "test_pipeline.py", "test_learning_external.py", "test_multihost.py",  # 124-92
+    "test_pipeline.py", "test_learning_external.py",  # 124-100
     "test_notebooks.py", "test_sharded.py", "test_learner.py",  # 77-68
     "test_device_check.py", "test_python_tool_env.py", "test_engine.py",  # 62-59
     "test_lora_stream.py", "test_async_pipeline.py", "test_openai_endpoint.py",  # 50-48
@@ -59,9 +59,13 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 146
 )
 
 
-# Last of all, when the other worker is likeliest idle: process 0 then serves a 1-device
-# reference engine alone while process 1 waits for it at a barrier (600 s at most).
-LAST = ("test_engine_multiprocess.py",)
+# Last of all, when the other worker is likeliest idle or on short files:
+# test_engine_multiprocess's process 0 serves a 1-device reference engine alone while
+# process 1 waits for it at a barrier (600 s at most); test_multihost's kill drill runs
+# 2 trainer processes and a rollout host, which on a loaded core took 59 s of the 60 s
+# budget (third in the order, beside test_pipeline: clean clone of a6602ef; 35-56 s,
+# median 49 s, in 20 rounds of the multi-process files alone).
+LAST = ("test_engine_multiprocess.py", "test_multihost.py")
 
 
 def pytest_collection_modifyitems(items):
