@@ -21,8 +21,8 @@ SCRIPT = ROOT / "experiments" / "device_check.py"
 def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"} if env is None else env
   proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", *args], cwd=ROOT, env=env,
-                        capture_output=True,
-                        text=True, timeout=300, check=False)  # a hang guard
+                        capture_output=True, text=True, timeout=300,
+                        check=False)  # a hang guard
   lines = proc.stdout.strip().splitlines()
   assert lines, proc.stderr[-3000:]
   return proc.returncode, json.loads(lines[-1])

@@ -14,7 +14,9 @@ are tiny, so this process and every process it starts compile for speed of compi
 
 What the product compiles is XLA's default (-O3, every LLVM pass). Tests whose subject is
 that code generation (the FMA contraction of a fast process, the bitwise engine = trainer
-check of experiments/device_check.py) start their processes with `production_env()`.
+check of experiments/device_check.py), and the learning runs from external starts (30
+steps each: run-bound, and their bounds were measured at -O3), start their processes with
+`production_env()`.
 """
 
 import os
