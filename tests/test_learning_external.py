@@ -93,7 +93,6 @@ def weak(workdir: pathlib.Path) -> dict:
                                   "collapse_alarms")}
 
 
-
 # The default recipe's first 30 steps of a 300-step run from the strong start, held-out
 # greedy pass@1 on 200 tasks: 0.97 -> 1.00 / 1.00 / 0.98 (config seeds 0 / 1 / 2; from the
 # f32 start 0.97 -> 1.00 / 1.00 / 0.99; AMD EPYC AVX-512). Greedy answers are a function of
@@ -129,6 +128,5 @@ def strong(workdir: pathlib.Path) -> dict:
   return {"before": before, "after": {k: after[k] for k in ("pass1", "collapse_alarm")}}
 
 
-if __name__ == "__main__":
-  sys.path.insert(0, str(REPO))
+if __name__ == "__main__":  # the repo root is importable (the editable install's .pth)
   print(json.dumps({"weak": weak, "strong": strong}[sys.argv[1]](pathlib.Path(sys.argv[2]))))

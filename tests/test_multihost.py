@@ -42,7 +42,7 @@ HOST = REPO / "experiments" / "rollout_host.py"
 BUCKET = "rljax-multihost"
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
-TIMEOUT = 600  # hang guards (the kill drill: 50-70 s on 2 cores, cold cache)
+TIMEOUT = 600  # hang guards (the kill drill took 33-81 s on 2 cores, cold cache)
 # Heartbeats are sent by a thread of the coordination client that holds no GIL: a loaded
 # core does not delay them by seconds. At 10 s the survivor took 10-15 s of the drill's
 # 50 (cold cache, alone) to abort.
