@@ -333,19 +333,35 @@ def test_as_observation():
 # setpriv may exec a binary its new user cannot reach: check that the prefix is reachable
 REACHABLE = "import os, sys, ctypes; os.stat(os.path.realpath(sys.executable)); os.listdir(sys.prefix)"
 USER_NS_CHILD = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])  # the copy of the sandbox's modules, not the repository's
 from rljax.envs import sandbox as sb, sandbox_limits as lim
 port, escape = int(sys.argv[2]), sys.argv[3]
 bomb = sys.argv[4]
+# the fallback on a non-root host: the program runs as the host's user (never root); this
+# process (same uid) must stay out of its reach: signals, and /proc/<pid> (Landlock's
+# ptrace scoping: the audit hook lets reads through)
+host = f'''import os
+print(os.getuid(), os.geteuid(), os.getgid())
+for name, fn in [("kill", lambda: os.kill({os.getpid()}, 0)),
+                 ("environ", lambda: open("/proc/{os.getpid()}/environ", "rb").read()),
+                 ("mem", lambda: open("/proc/{os.getpid()}/mem", "r+b")),
+                 ("fd", lambda: open("/proc/{os.getpid()}/fd/1", "wb"))]:
+  try:
+    fn()
+    print(name, "done")
+  except OSError as e:
+    print(name, "refused", e.errno)
+'''
 out = {"isolation": sb.sandbox_isolation().user}
-for name, code, limits in [
-    ("facts", "import os; print(os.getpid(), os.getuid())", lim.SandboxLimits()),
+for name, code, limits, isolation in [
+    ("facts", "import os; print(os.getpid(), os.getuid())", lim.SandboxLimits(), "auto"),
     ("connect", f"import socket; socket.socket().connect(('127.0.0.1', {port}))",
-     lim.SandboxLimits()),
-    ("write", f"open({escape!r}, 'w')", lim.SandboxLimits()),
-    ("bomb", bomb, lim.SandboxLimits(max_processes=16, wall_s=2))]:
-  r = sb.run_python(code, limits)
+     lim.SandboxLimits(), "auto"),
+    ("write", f"open({escape!r}, 'w')", lim.SandboxLimits(), "auto"),
+    ("bomb", bomb, lim.SandboxLimits(max_processes=16, wall_s=2), "auto"),
+    ("fallback", host, lim.SandboxLimits(), "audit_hook")]:
+  r = sb.run_python(code, limits, isolation=isolation)
   out[name] = [r.status, r.stdout, r.stderr.strip().splitlines()[-1:]]
 print(json.dumps(out))
 """
@@ -404,6 +420,12 @@ def _unprivileged_host(copy_dir):
   assert out["connect"][0] == "error" and "Network is unreachable" in out["connect"][2][0]
   assert out["write"][0] == "error" and "Read-only file system" in out["write"][2][0]
   assert out["bomb"][0] == "timeout" and not os.path.exists(escape)
+  status, stdout, _ = out["fallback"]
+  ids, *tries = stdout.splitlines()
+  assert status == "ok" and ids == "65534 65534 65534", out["fallback"]
+  reached = {line.split()[0]: line.split()[1] for line in tries}
+  assert reached["kill"] == reached["mem"] == reached["fd"] == "refused", reached
+  assert reached["environ"] == ("refused" if LANDLOCK else "done"), reached  # documented
   deadline = time.monotonic() + 10
   while tasks_of(65534) > nobody_before and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -869,3 +891,56 @@ def test_minimal_root_runs_the_stdlib():
   assert r.stdout.splitlines() == [
       '{"pi": 3.142} cbt', "0.25 2024-02-29", "2d711642 True", "42", "tmp é", "thread",
       "FileNotFoundError", "FileNotFoundError", "4 1"], r
+
+
+def test_a_library_only_ld_so_cache_finds_brings_the_cache(tmp_path, monkeypatch):
+  """sandbox_root: a DT_NEEDED library found in /etc/ld.so.conf's directories only (not a
+  RUNPATH, not the loader's defaults) is bound with /etc/ld.so.cache, which the loader
+  needs to find it; one in the defaults needs no cache (then there is no /etc)."""
+  from rljax.envs import sandbox_root  # pylint: disable=import-outside-toplevel
+  conf = tmp_path / "ld.so.conf"
+  (tmp_path / "conf.d").mkdir()
+  (tmp_path / "conf.d" / "a.conf").write_text("/opt/a  # a comment\n")
+  conf.write_text(f"include {tmp_path}/conf.d/*.conf\n/usr/local/lib\n")
+  assert sandbox_root._conf_dirs(str(conf)) == ["/opt/a", "/usr/local/lib"]  # pylint: disable=protected-access
+  dynload = sandbox_root._stdlib()[1]  # pylint: disable=protected-access
+  found = ((x, os.path.basename(p), p) for x in
+           (os.path.join(d, n) for d in dynload for n in sorted(os.listdir(d)) if n.endswith(".so"))
+           for p in sandbox_root._libraries(x, [])[0]  # pylint: disable=protected-access
+           if os.path.basename(p) in sandbox_root._elf(x)[1]  # pylint: disable=protected-access
+           and not os.path.basename(p).startswith(("libc.", "libm.", "libpthread.")))
+  ext, name, lib = next(found, (None, None, None))
+  if ext is None:
+    pytest.skip("no stdlib extension module needs a library of its own here")
+  assert sandbox_root._libraries(ext, [])[1] is False  # pylint: disable=protected-access
+  # the same module, its library renamed (same length) and present only in a conf dir
+  other = "q" * len(name)
+  with open(ext, "rb") as f:
+    data = f.read()
+  assert b"\0" + name.encode() + b"\0" in data
+  (tmp_path / "ext.so").write_bytes(data.replace(b"\0" + name.encode() + b"\0",
+                                                 b"\0" + other.encode() + b"\0"))
+  (tmp_path / "lib").mkdir()
+  shutil.copy(lib, tmp_path / "lib" / other)
+  monkeypatch.setattr(sandbox_root, "_conf_dirs", lambda: [str(tmp_path / "lib")])
+  libraries, needs_cache = sandbox_root._libraries(str(tmp_path / "ext.so"), [])  # pylint: disable=protected-access
+  assert needs_cache and str(tmp_path / "lib" / other) in libraries, libraries
+  assert any(os.path.basename(p) == "libc.so.6" for p in libraries)  # its own, transitively
+  if not ROOT:
+    return  # the root below is built in a mount namespace of a root child
+  enter = ("import ctypes, json, os, subprocess, sys\n"
+           "sys.path.insert(0, sys.argv[1])\nimport sandbox_root as r\n"
+           "real = r._libraries\nr._libraries = lambda *a: (real(*a)[0], True)\n"
+           "assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0\n"
+           "exe = r.enter(sys.argv[2], 65534, 65534, 1 << 20)\n"
+           "ran = subprocess.run([exe, '-I', '-S', '-c', 'print(6 * 7)'], capture_output=True)\n"
+           "print(json.dumps([os.listdir('/etc'), open('/etc/ld.so.cache', 'rb').read(32).hex(),"
+           " ran.stdout.decode()]))\n")
+  (tmp_path / "work").mkdir()
+  (tmp_path / "work" / "main.py").write_text("")
+  child = subprocess.run([sys.executable, "-I", "-S", "-c", enter,
+                          os.path.dirname(sandbox_root.__file__), str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=30, check=False)
+  assert child.returncode == 0, child.stderr
+  with open("/etc/ld.so.cache", "rb") as f:
+    assert json.loads(child.stdout) == [["ld.so.cache"], f.read(32).hex(), "42\n"]

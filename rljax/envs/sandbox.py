@@ -112,7 +112,11 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 only by the host's polling (sandbox_limits.py). A non-root
                 host runs the program as the host's user (RLIMIT_NPROC: that user's
                 task count now plus max_processes), seccomp keeping its signals to
-                itself.
+                itself and Landlock's scoping keeping it out of that user's other
+                processes' /proc/<pid> (mem, fd, environ: EACCES, tested); on a
+                kernel without Landlock only the audit hook guards those (a program
+                past it could write the host's memory through /proc/<pid>/mem): use
+                namespaces or a root host (a uid of its own) there.
 `run_python(..., isolation=...)` forces either mode (the tests run both).
 
 Reading: namespaces mode shows only its minimal root (above); audit_hook mode reads
