@@ -719,6 +719,17 @@ attempt("fiosetown", lambda: __import__("fcntl").ioctl(socket.socketpair()[0], 0
 attempt("shmget", lambda: syscall(29, 0, 4096, 0o1666))  # IPC_PRIVATE, IPC_CREAT | 0666
 attempt("msgget", lambda: syscall(68, 0, 0o1666))
 attempt("thread", lambda: __import__("threading").Thread(target=print).start())
+attempt("rt_tgsigqueueinfo", lambda: syscall(297, victim, victim, 0,
+                                              ctypes.create_string_buffer(128)))
+# the rest of the refused list (x86_64 numbers), each with zero arguments
+for name, nr in (("pidfd_getfd", 438), ("process_vm_writev", 311), ("kcmp", 312),
+                 ("setns", 308), ("mount", 165), ("umount2", 166), ("pivot_root", 155),
+                 ("chroot", 161), ("bpf", 321), ("perf_event_open", 298),
+                 ("userfaultfd", 323), ("keyctl", 250), ("add_key", 248),
+                 ("request_key", 249), ("open_by_handle_at", 304),
+                 ("name_to_handle_at", 303), ("personality", 135), ("semget", 64),
+                 ("mq_open", 240), ("io_uring_enter", 426), ("io_uring_register", 427)):
+  attempt(name, lambda: syscall(nr, 0, 0, 0, 0, 0))
 print(__import__("json").dumps(out))
 """
 
@@ -737,10 +748,14 @@ def test_seccomp_filter_refuses_what_no_hook_sees(mode, host):
   out = json.loads(child.stdout)
   eperm, enosys = 1, 38
   refused = ["socket-unix", "pidfd", "ptrace", "process_vm_readv", "io_uring",
-             "unshare-user", "f_setown", "fiosetown", "shmget", "msgget"]
+             "unshare-user", "f_setown", "fiosetown", "shmget", "msgget", "pidfd_getfd",
+             "process_vm_writev", "kcmp", "setns", "mount", "umount2", "pivot_root", "chroot",
+             "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+             "open_by_handle_at", "name_to_handle_at", "personality", "semget", "mq_open",
+             "io_uring_enter", "io_uring_register"]
   if mode == "audit_hook":
     refused += ["kill-victim", "kill-group", "kill-all", "kill-parent", "tgkill", "tkill",
-                "rt_sigqueueinfo"]
+                "rt_sigqueueinfo", "rt_tgsigqueueinfo"]
   assert {k: out[k] for k in refused} == dict.fromkeys(refused, eperm), out
   assert out["clone3"] == enosys  # glibc falls back to clone, whose flags are checked
   assert out["socketpair"] == out["kill-self"] == out["thread"] == "done", out
