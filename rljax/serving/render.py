@@ -4,9 +4,8 @@ chat template applied incrementally), and sampled ids back to text. A mixin of `
 
 from __future__ import annotations
 
+from rljax.envs.chat import TemplateError, UnsuitableTemplate, render_after_reply, render_prompt
 from rljax.serving.api import ApiError, same_message
-
-SENTINEL = "\u2063rljax-end-of-reply\u2063"  # stands for the last reply's content in a render
 
 
 class Renderer:
@@ -98,33 +97,18 @@ class Renderer:
         out.append("\ufffd")
     return "".join(out)
 
-  def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
-    kwargs = {} if tools is None else {"tools": tools}
-    return self.tokenizer.hf.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=True, **kwargs)
-
   def _render_ids(self, history: list[dict], new: list[dict] | None, *,
                   stopped_on: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """First turn (`new` None): the messages rendered with the generation prompt (and the
     tools, as the template renders them). Later: the template applied to the delta in
-    context (see the package docstring): the last reply stands as a sentinel content without
-    its tool calls (its sampled tokens, tool calls included, are recorded already)."""
+    context (`rljax.envs.chat.render_after_reply`)."""
     try:
       if new is None:
-        return self.tokenizer.encode(self._render(history, tools)).tolist()
-      context = [dict(m) for m in history]
-      context[-1] = {"role": context[-1]["role"], "content": SENTINEL}
-      text = self._render(context + new, tools)
-    except ApiError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except  (a template's own errors)
-      raise ApiError(400, f"the chat template failed on these messages: {e}") from None
-    if text.count(SENTINEL) != 1:
-      raise ApiError(500, "the chat template does not render the last reply's content once",
-                     kind="server_error")
-    after = text[text.index(SENTINEL) + len(SENTINEL):]
-    if stopped_on is not None:
-      stop_text = self._decode([stopped_on])
-      if stop_text and after.startswith(stop_text):
-        after = after[len(stop_text):]
+        return self.tokenizer.encode(render_prompt(self.tokenizer.hf, history, tools)).tolist()
+      stop_text = "" if stopped_on is None else self._decode([stopped_on])
+      after = render_after_reply(self.tokenizer.hf, history, new, tools, stop_text)
+    except UnsuitableTemplate as e:
+      raise ApiError(500, str(e), kind="server_error") from None
+    except TemplateError as e:
+      raise ApiError(400, str(e)) from None
     return self.tokenizer.encode(after).tolist()

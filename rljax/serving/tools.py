@@ -12,39 +12,12 @@ model's outcome, returned as content). `load_tool_parser(spec)`: "hermes" (Qwen3
 from __future__ import annotations
 
 import importlib
-import json
-import re
 from typing import Any, Callable, Mapping
 
+from rljax.envs.chat import hermes_tool_calls
 from rljax.serving.api import ApiError
 
 ToolParser = Callable[[str], "tuple[str | None, list[dict]] | None"]
-
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def hermes_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
-  """Qwen3 / Hermes: every `<tool_call>{json}</tool_call>` block, each a JSON object with
-  a string `name` and an object `arguments`; any block that is not (or an unclosed
-  `<tool_call>`): None, the whole text is content."""
-  blocks = _HERMES.findall(text)
-  rest = _HERMES.sub("", text)
-  if not blocks or "<tool_call>" in rest:
-    return None
-  calls = []
-  for block in blocks:
-    try:
-      call = json.loads(block.strip())
-    except ValueError:
-      return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(
-        call.get("arguments", {}), dict):
-      return None
-    calls.append({"name": call["name"],
-                  "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)})
-  content = rest.strip()
-  return (content or None), calls
-
 
 PARSERS: dict[str, ToolParser | None] = {"hermes": hermes_tool_calls, "qwen3": hermes_tool_calls,
                                          "none": None}
