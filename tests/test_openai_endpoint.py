@@ -7,6 +7,7 @@ through the wire and one GRPO update (mismatch_max_abs 0.0)."""
 import dataclasses
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -740,6 +741,67 @@ def test_a_turn_its_client_never_got_is_rolled_back_by_a_different_call(served):
   stats = {k: endpoint.stats[k] - before.get(k, 0) for k in endpoint.stats}
   assert stats["rolled_back_turns"] == 1 and stats["undelivered_replies"] == 1
   assert endpoint.stats["http_500"] == 0
+
+
+def test_a_connection_on_a_descriptor_past_1024_gets_its_reply(served):
+  # a busy server's connections get descriptors past select()'s 1024: its check whether a
+  # client is gone must not mistake them for gone clients (no reply, "server disconnected")
+  _, endpoint = served
+  lost = endpoint.stats["undelivered_replies"]
+  held = [os.open(os.devnull, os.O_RDONLY)]
+  try:
+    while held[-1] < 1100:
+      held.append(os.open(os.devnull, os.O_RDONLY))
+    _register(endpoint, "high-fd")
+    r = _chat_ok(endpoint, "high-fd", [{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r["rljax"]["completion_token_ids"]
+  finally:
+    for fd in held:
+      os.close(fd)
+  endpoint.finish("high-fd", reward=0.0)
+  assert endpoint.stats["undelivered_replies"] == lost
+
+
+def test_a_call_while_the_turn_it_gave_up_on_still_runs_waits_and_rolls_it_back(served):
+  # the client hangs up while its turn still waits in the endpoint, and the harness sends
+  # something else at once (another observation): that call waits for the turn (no 409
+  # episode_busy), learns its reply never arrived, rolls it back and runs; the episode is
+  # the one a harness without the hang-up records, bit for bit
+  run, endpoint = served
+  before = dict(endpoint.stats)
+  for eid in ("gave-up", "kept-g"):
+    _register(endpoint, eid)
+  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+  r1 = [_chat_ok(endpoint, eid, msgs, max_tokens=6, seed=5) for eid in ("gave-up", "kept-g")]
+  history = msgs + [_reply(r1[0])]
+  other = history + [{"role": "tool", "content": "result: 47"}]
+  result = {}
+  endpoint.pause()
+  try:
+    _hang_up(endpoint, {"model": "rljax", "episode_id": "gave-up", "max_tokens": 8,
+                        "seed": 5, "messages": history + [{"role": "tool",
+                                                           "content": "result: 46"}]})
+    deadline = time.monotonic() + 60
+    while endpoint.waiting_turns < 1 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert endpoint.episode("gave-up").busy  # the lost turn is in flight
+    call = threading.Thread(target=lambda: result.update(out=_post(
+        endpoint, "/v1/chat/completions", {"model": "rljax", "episode_id": "gave-up",
+                                           "messages": other, "max_tokens": 5, "seed": 5})))
+    call.start()
+  finally:
+    endpoint.resume()
+  call.join(120)
+  status, r2 = result["out"]
+  assert status == 200, r2
+  kept = _chat_ok(endpoint, "kept-g", other, max_tokens=5, seed=5)
+  assert r2["rljax"]["completion_token_ids"] == kept["rljax"]["completion_token_ids"]
+  a, b = endpoint.finish("gave-up", reward=1.0), endpoint.finish("kept-g", reward=1.0)
+  assert_same_record(a, b)
+  assert rescore_diff(run, [a]) == 0.0
+  stats = {k: endpoint.stats[k] - before.get(k, 0) for k in endpoint.stats}
+  assert stats["rolled_back_turns"] == 1 and stats["undelivered_replies"] == 1
+  assert stats.get("http_409", 0) == 0 and endpoint.stats["http_500"] == 0
 
 
 def test_a_streamed_turn_cut_mid_stream_is_rolled_back_exactly(served, reference_engine):

@@ -18,7 +18,8 @@ Episodes. Every generation call belongs to an episode the harness registered fir
 call names its group: below). A call names it by `extra_body={"episode_id": ...}`, by
 the header `X-Episode-Id`, or by its base URL:
 `OpenAI(base_url=f"{server}/episodes/{id}/v1")` serves that episode's calls with no extra
-field at all (for harnesses that cannot add one). One call at a time per episode (409).
+field at all (for harnesses that cannot add one). One call at a time per episode (a second
+waits for the first, up to `busy_wait_s`; then 409).
 `group_id` (default: the episode id) groups episodes for GRPO: the trainer takes complete
 groups (`Endpoint.take_groups(group_size)`: `group_size` finished episodes, none open).
 A call that also names its group (`extra_body={"group_id": ...}` or `X-Group-Id`)
@@ -41,7 +42,8 @@ deterministic numerics, every recorded bit are what `extend` would have given (t
 A turn whose sampling differs from the parked request's (other stop tokens) takes the same
 fresh path.
 
-Chat templating is incremental. The first call's messages are rendered by the tokenizer's
+Chat templating is incremental (`rljax.envs.chat`, shared with the envs that speak
+through a chat template: `function_call`'s episodes are the endpoint's, token for token). The first call's messages are rendered by the tokenizer's
 chat template with the generation prompt and tokenized. A later call must repeat the
 recorded conversation exactly (every earlier message, and the assistant replies exactly as
 this server returned them: role and content compared) and append at least one non-assistant
@@ -115,7 +117,11 @@ sequence holding it is released, and the call is a fresh submit of the record un
 same request id (the bits of an episode that never had the turn; tested bitwise, plain and
 cut mid-stream). Finishing an episode whose last turn is unseen rolls it back too (its
 only turn: 400 `empty_episode`): no trained token was unseen by its harness
-(`stats["rolled_back_turns"]`). Under load (the test: 64 episodes at once on loopback,
+(`stats["rolled_back_turns"]`). A call (or finish, or DELETE) that arrives while its episode's turn
+is still running or its reply still being written (a harness that gave up on it: its
+client timed out) waits for that turn and for the server's word on its delivery (up to
+`busy_wait_s`, then 409 `episode_busy`), so a reply its client never got is rolled back
+rather than refused as `history_mismatch`. Under load (the test: 64 episodes at once on loopback,
 every 8th dropping its first call's connection and retrying) no call is a 500.
 
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose

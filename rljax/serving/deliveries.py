@@ -17,7 +17,13 @@ had closed its end before the reply (a client timeout, a disconnect) or the writ
   - Finishing an episode whose last turn is unseen rolls that turn back first
     (`EpisodeStore.finish`): no trained token was unseen by the harness.
 
-A mixin of `Endpoint` (it holds `_lock`, `_episodes`, `stats`, `_call_owner`)."""
+A call that arrives while its episode's previous turn is still running or being written
+(a harness that gave up on it) waits for that turn and for the server's word on its
+delivery (`EpisodeStore._wait_idle`, `_fit`), so whether it was seen is known before the
+call is checked against the record.
+
+A mixin of `Endpoint` (it holds `_lock`, `_calls_cv`, `_episodes`, `stats`,
+`_call_owner`)."""
 
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from typing import Any, Callable, Mapping
 
 from rljax.serving.api import ApiError
 from rljax.serving.episodes import EpisodeRecord
+
+WRITE_REPORT_S = 10.0  # at most this long for the server's word on a reply's delivery
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,9 +73,10 @@ class Deliveries:
       call.writing = max(0, call.writing - 1)
       call.delivered |= ok
       call.lost |= not ok
+      self._calls_cv.notify_all()
 
   def _once(self, kind: str, body: Mapping, path_episode: str | None, headers, run,
-            on_tokens) -> dict:
+            on_tokens, reports_delivery: bool) -> dict:
     """A call whose body is the episode's last call's, byte for byte after sorting keys (an
     SDK's automatic retry after a timeout or a dropped connection), gets that call's
     response (waiting for it while it runs) instead of a second turn or a
@@ -81,14 +90,16 @@ class Deliveries:
       last.done.wait()
       if last.response is not None:
         with self._lock:
-          last.writing += 1
+          last.writing += int(reports_delivery)
+          last.delivered |= not reports_delivery
         self.stats["replayed_calls"] += 1
         return last.response
     delivery = Delivery(key)
     try:
       response = run(body, path_episode, headers, delivery, on_tokens)
-      with self._lock:
-        delivery.response, delivery.writing = response, 1
+      with self._lock:  # a caller that reports no delivery has the response
+        delivery.response, delivery.writing = response, int(reports_delivery)
+        delivery.delivered = not reports_delivery
       return response
     except BaseException:
       ep = delivery.episode
@@ -104,6 +115,10 @@ class Deliveries:
     episode's last turn is unseen and the call fits the record before it, that turn is
     rolled back and the call goes on from there."""
     prev = delivery.prev
+    if prev is not None:  # its reply is on its way to a client: wait for the server's word
+      prev.done.wait(self.busy_wait_s)
+      with self._lock:
+        self._calls_cv.wait_for(lambda: prev.writing == 0, WRITE_REPORT_S)
     with self._lock:
       unseen = prev is not None and prev.unseen
       now = ep.snapshot() if unseen else None

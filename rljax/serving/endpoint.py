@@ -19,7 +19,7 @@ from rljax.rl.trajectory import FinishReason
 from rljax.serving.api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, check_fields,
                                finish_reason_name, parse_messages)
 from rljax.serving.deliveries import Deliveries, Delivery
-from rljax.serving.episodes import MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
+from rljax.serving.episodes import BUSY_WAIT_S, MAX_REQUEST_ID, EpisodeRecord, EpisodeStore
 from rljax.serving.owner import EngineOwner, Turn
 from rljax.serving.render import Renderer
 from rljax.serving.tools import check_tools, load_tool_parser, parse_tool_calls, wire_tool_calls
@@ -46,12 +46,14 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
   model a request may name). `group_size`: episodes a group holds (a registration beyond
   it is a 409 `group_full`; `take_groups`' default). `tool_parser`: how the model's tool
   calls are read from its text (`tools.load_tool_parser`: "hermes", "none" or
-  `package.module:function`)."""
+  `package.module:function`). `busy_wait_s`: how long a call (or finish, drop) waits for
+  its episode's call in flight to end before a 409 `episode_busy`."""
 
   def __init__(self, engine: DecodeEngine, tokenizer, *, sampling: SamplingParams,
                seed: int = 0, max_resident: int | None = None, model_name: str = "rljax",
                host: str = "127.0.0.1", port: int = 0, first_request_id: int = 1,
-               group_size: int | None = None, tool_parser: str | None = "hermes"):
+               group_size: int | None = None, tool_parser: str | None = "hermes",
+               busy_wait_s: float = BUSY_WAIT_S):
     if not engine.idle or engine.parked:
       raise ValueError("the engine has work of its own; the endpoint needs it idle")
     self.engine, self.tokenizer, self.seed, self.model_name = engine, tokenizer, seed, model_name
@@ -78,6 +80,9 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
     self._oversized: set[str] = set()  # groups take_groups left out (logged once)
     self._next_rid = first_request_id
     self._finished_cv = threading.Condition(self._lock)
+    # an episode's call ended, or a reply's delivery was reported
+    self._calls_cv = threading.Condition(self._lock)
+    self.busy_wait_s = busy_wait_s
     self._inbox: queue.Queue = queue.Queue()
     self._pending: collections.deque[Turn] = collections.deque()
     self._broken: BaseException | None = None
@@ -199,11 +204,9 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
     with self._lock:
       if self._broken is not None:
         raise ApiError(503, f"the engine failed: {self._broken!r}", kind="server_error")
-      ep = self._episode(episode_id)
+      ep = self._wait_idle(episode_id)
       if ep.finished is not None:
         raise ApiError(409, f"episode {episode_id!r} is finished", "episode_finished")
-      if ep.busy:
-        raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
       if ep.kind not in (None, kind):
         raise ApiError(400, f"episode {episode_id!r} is a {ep.kind} episode", "wrong_kind")
       ep.busy = True
@@ -247,12 +250,17 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
     return turn
 
   def chat(self, body: Mapping, path_episode: str | None = None, headers=None,
-           on_tokens=None) -> dict:  # on_tokens(sampled so far): as the engine decodes
-    return self._once("chat", body, path_episode, headers, self._chat, on_tokens)
+           on_tokens=None, reports_delivery: bool = False) -> dict:
+    """One chat call. `on_tokens(sampled so far)`: as the engine decodes.
+    `reports_delivery`: the caller reports whether the response reached its client
+    (`delivered`; the HTTP server does), else it is taken as delivered."""
+    return self._once("chat", body, path_episode, headers, self._chat, on_tokens,
+                      reports_delivery)
 
   def complete(self, body: Mapping, path_episode: str | None = None, headers=None,
-               on_tokens=None) -> dict:
-    return self._once("completion", body, path_episode, headers, self._complete, on_tokens)
+               on_tokens=None, reports_delivery: bool = False) -> dict:
+    return self._once("completion", body, path_episode, headers, self._complete, on_tokens,
+                      reports_delivery)
 
   def _chat(self, body: Mapping, path_episode: str | None, headers, delivery, on_tokens
             ) -> dict:
@@ -285,8 +293,7 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
         ep.kind, ep.tools = "chat", tools
         ep.messages = messages + [dict(message, content=message["content"] or "")]
     finally:
-      with self._lock:
-        ep.busy = False
+      self._set_idle(ep)
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
     if body.get("logprobs"):
       choice["logprobs"] = {"content": [
@@ -319,8 +326,7 @@ class Endpoint(EpisodeStore, Deliveries, EngineOwner, Renderer):
         ep.text = None if ids_mode else prompt + text
         ep.unsent_text = "" if ids_mode else turn.extra_text
     finally:
-      with self._lock:
-        ep.busy = False
+      self._set_idle(ep)
     choice = {"index": 0, "text": text, "finish_reason": finish_reason_name(ep.finish_reason),
               "logprobs": None}
     if body.get("logprobs") is not None:

@@ -1,6 +1,7 @@
 """The episode store: registered episodes, their token records, groups, and complete
 groups handed to the trainer (`take_groups`). A mixin of `Endpoint` (it holds `_lock`,
-`_episodes`, `_by_rid`, `_groups`, `_group_index`, `_next_rid`, `_finished_cv`)."""
+`_episodes`, `_by_rid`, `_groups`, `_group_index`, `_next_rid`, `_finished_cv`,
+`_calls_cv`, `busy_wait_s`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from rljax.rl.trajectory import FinishReason, Outcome, Trajectory
 from rljax.serving.api import ApiError
 
 MAX_REQUEST_ID = 2**31 - 1
+# how long a call waits for its episode's call in flight (a turn under load runs for up
+# to max_tokens engine steps behind the others) before a 409 episode_busy
+BUSY_WAIT_S = 300.0
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 # what a turn changes in a record (`snapshot` / `restore`: a turn rolled back exactly)
 _RECORD = ("kind", "prompt_len", "tokens", "loss_mask", "logprobs", "versions", "routing",
@@ -148,11 +152,9 @@ class EpisodeStore:
     except ValueError:
       raise ApiError(400, f"outcome must be one of {[o.value for o in Outcome]}") from None
     with self._lock:
-      ep = self._episode(episode_id)
+      ep = self._wait_idle(episode_id)
       if ep.finished is not None:
         raise ApiError(409, f"episode {episode_id!r} is finished", "episode_finished")
-      if ep.busy:
-        raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
       rolled_back = self._roll_back_unseen(ep)  # a last turn its client never received
       if ep.turns == 0 and not rolled_back:
         raise ApiError(400, f"episode {episode_id!r} has no turns (drop it instead)",
@@ -161,8 +163,7 @@ class EpisodeStore:
     try:
       self._call_owner("release", ep)
     finally:
-      with self._lock:
-        ep.busy = False
+      self._set_idle(ep)
     if ep.turns == 0:
       raise ApiError(400, f"episode {episode_id!r}: its only turn never reached the client and "
                      "was rolled back; it has no turns (call again, or drop it)", "empty_episode")
@@ -175,11 +176,9 @@ class EpisodeStore:
     """Forgets an unfinished episode (`DELETE /v1/episodes/{id}`): its group no longer
     waits for it, and the engine's copy of it is released."""
     with self._lock:
-      ep = self._episode(episode_id)
+      ep = self._wait_idle(episode_id)
       if ep.finished is not None:
         raise ApiError(409, f"episode {episode_id!r} is finished", "episode_finished")
-      if ep.busy:
-        raise ApiError(409, f"episode {episode_id!r} has a call in flight", "episode_busy")
       ep.busy = True
     self._call_owner("release", ep)
     with self._lock:
@@ -191,6 +190,22 @@ class EpisodeStore:
       if not group:
         self._groups.pop(ep.group_id, None)
       self._finished_cv.notify_all()
+
+  def _wait_idle(self, episode_id: str) -> EpisodeRecord:
+    """(Under `_lock`.) The episode, once no call of it is in flight: a harness that gave
+    up on a turn (its client timed out) may call again, or finish, while the turn still
+    runs; that waits for it (then the turn is rolled back if its reply never arrived,
+    `deliveries.py`). Still busy after `busy_wait_s`: 409 `episode_busy`."""
+    ep = self._episode(episode_id)
+    if ep.busy and not self._calls_cv.wait_for(lambda: not ep.busy, self.busy_wait_s):
+      raise ApiError(409, f"episode {episode_id!r} has a call in flight (for more than "
+                     f"{self.busy_wait_s:g} s)", "episode_busy")
+    return self._episode(episode_id)  # (dropped meanwhile: 404)
+
+  def _set_idle(self, ep: EpisodeRecord) -> None:
+    with self._lock:
+      ep.busy = False
+      self._calls_cv.notify_all()
 
   def episode(self, episode_id: str) -> EpisodeRecord:
     with self._lock:

@@ -70,11 +70,16 @@ def make_handler(endpoint):
 
     def _client_gone(self) -> bool:
       """Whether the client closed its end (a timeout, a disconnect) before its reply."""
-      try:
-        if not select.select([self.connection], [], [], 0)[0]:
+      try:  # poll, not select: select() fails on descriptors >= 1024 (a busy server's)
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        events = poller.poll(0)
+        if not events:
           return False
+        if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+          return True
         return self.connection.recv(1, socket.MSG_PEEK) == b""
-      except (OSError, ValueError):
+      except OSError:
         return True
 
     def _route(self, method: str) -> None:
@@ -91,9 +96,11 @@ def make_handler(endpoint):
           writer = StreamWriter(self, endpoint, body, chat=path == "/v1/chat/completions")
         on_tokens = None if writer is None else writer.tokens
         if method == "POST" and path == "/v1/chat/completions":
-          out = turn = endpoint.chat(body, episode, self.headers, on_tokens=on_tokens)
+          out = turn = endpoint.chat(body, episode, self.headers, on_tokens=on_tokens,
+                                     reports_delivery=True)
         elif method == "POST" and path == "/v1/completions":
-          out = turn = endpoint.complete(body, episode, self.headers, on_tokens=on_tokens)
+          out = turn = endpoint.complete(body, episode, self.headers, on_tokens=on_tokens,
+                                         reports_delivery=True)
         elif method == "POST" and path == "/v1/episodes":
           out = endpoint.episode(endpoint.register(body.get("episode_id"),
                                                    body.get("group_id"))).summary()
