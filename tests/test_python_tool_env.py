@@ -257,6 +257,8 @@ def test_the_fallback_runs_only_when_chosen_by_name(monkeypatch, caplog):
   fallback = sandbox.Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
                                "host_uid", reason="unshare: Operation not permitted")
   monkeypatch.setattr(python_tool, "sandbox_isolation", lambda interpreter=None: fallback)
+  # a root host (a uid of its own): the fallback may run (its refusal: tested below)
+  monkeypatch.setattr(sandbox, "_host_is_root", lambda: True)
   with pytest.raises(ValueError, match="env.sandbox.isolation = 'audit_hook'"):
     envs.PythonToolEnv()  # auto, namespaces unavailable: refused
   with pytest.raises(ValueError, match="isolation must be one of"):
@@ -297,6 +299,9 @@ SELF_INFLICTED = {
 def test_a_run_the_program_ended_is_its_failure(isolation):
   if isolation == "namespaces" and sandbox.sandbox_isolation().mode != "namespaces":
     pytest.skip(f"namespaces unavailable: {sandbox.sandbox_isolation().reason}")
+  if isolation == "audit_hook" and sandbox.audit_hook_refusal():
+    pytest.skip("the audit_hook fallback is refused on this host (not root: no uid of its "
+                "own; a kernel without Landlock): see sandbox.audit_hook_refusal()")
   env = envs.PythonToolEnv(sandbox={"isolation": isolation}, limits=dict(wall_s=5.0))
   for name, code in SELF_INFLICTED.items():
     step = env._answer_call(code)  # pylint: disable=protected-access
@@ -312,9 +317,43 @@ def test_the_config_names_the_fallback_in_env_sandbox(monkeypatch):
   fallback = sandbox.Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
                                "host_uid", reason="no namespaces here")
   monkeypatch.setattr(python_tool, "sandbox_isolation", lambda interpreter=None: fallback)
+  monkeypatch.setattr(sandbox, "_host_is_root", lambda: True)  # the fallback may run
   config = python_tool_tiny.get_config()
   cfg = type("Cfg", (), {"vocab_size": 1 << 16})()
   with pytest.raises(run.ConfigError, match="env.sandbox.isolation"):
     run.make_env(config, cfg)  # refused: no namespaces, nothing named
   config.env.sandbox = ml_collections.ConfigDict(dict(isolation="audit_hook"))
   assert run.make_env(config, cfg).isolation == "audit_hook"
+
+
+def test_the_fallback_without_a_uid_of_its_own_or_landlock_fails_the_build(monkeypatch):
+  """A non-root host (the program would run as the host's user) on a kernel without
+  Landlock (sandbox._host_is_root, sandbox_landlock.abi_version faked): naming the
+  fallback fails where the env is built, with why and what would make it run."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from configs import python_tool_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.envs import sandbox_landlock  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import run  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sandbox, "_host_is_root", lambda: False)
+  monkeypatch.setattr(sandbox_landlock, "abi_version", lambda: 0)
+  reason = sandbox.audit_hook_refusal()
+  assert "without Landlock" in reason and "run as root" in reason, reason
+  for kwargs in (dict(sandbox={"isolation": "audit_hook"}), dict(isolation="audit_hook")):
+    with pytest.raises(ValueError, match="refuses to run model code") as e:
+      envs.PythonToolEnv(**kwargs)
+    assert reason in str(e.value)
+  config = python_tool_tiny.get_config()
+  config.env.sandbox = ml_collections.ConfigDict(dict(isolation="audit_hook"))
+  cfg = type("Cfg", (), {"vocab_size": 1 << 16})()
+  with pytest.raises(run.ConfigError, match="env.sandbox.isolation = 'audit_hook'") as e:
+    run.make_env(config, cfg)  # the run fails at start, not per episode
+  assert "kernel with Landlock" in str(e.value) and "run as root" in str(e.value)
+  # "auto" without namespaces says the fallback is refused too
+  fallback = sandbox.Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
+                               "host_uid", reason="no namespaces here", fallback_refused=reason)
+  monkeypatch.setattr(python_tool, "sandbox_isolation", lambda interpreter=None: fallback)
+  with pytest.raises(ValueError, match="refused here too") as e:
+    envs.PythonToolEnv()
+  assert "env.sandbox.isolation = 'audit_hook'" in str(e.value) and reason in str(e.value)
+  # namespaces named: untouched (built; what it runs is tested above)
+  assert envs.PythonToolEnv(isolation="namespaces").isolation == "namespaces"

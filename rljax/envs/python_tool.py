@@ -48,11 +48,13 @@ go to `run_python` as they are. The env fails closed: with `isolation="auto"` (t
 default) where the sandbox's namespaces are unavailable it refuses to be built; the weaker
 audit-hook fallback runs only when named (`sandbox={"isolation": "audit_hook"}`, from
 `config.env.sandbox`, or `isolation="audit_hook"`), and logs a warning at start saying
-what it does not contain. A run the program itself ended (a signal to itself, its group
-or its supervisor, a limit, a crash of its interpreter) is an error observation (a tool
-error; the episode scored like any failure, in the gradient); only the sandbox's own
-failures, which the host proves (`SandboxResult.infra_error`), end the episode as an
-infra failure.
+what it does not contain; where the fallback itself is refused (a non-root host on a
+kernel without Landlock: `sandbox.audit_hook_refusal()`), naming it fails the build too,
+with the reason and what would make it run. A run the program itself ended (a signal to
+itself, its group or its supervisor, a limit, a crash of its interpreter) is an error
+observation (a tool error; the episode scored like any failure, in the gradient); only
+the sandbox's own failures, which the host proves (`SandboxResult.infra_error`), end the
+episode as an infra failure.
 
 The `info` of each answered action's step: {"tool_calls": 1, "tool_errors": 0 | 1}; the
 rollout sums them per episode (with the episode's turns) into `Trajectory.info`.
@@ -71,7 +73,7 @@ import numpy as np
 
 from rljax.envs.base import SFTTarget, StepResult, Task
 from rljax.envs.calculator import CalculatorEnv
-from rljax.envs.sandbox import run_python, sandbox_isolation
+from rljax.envs.sandbox import audit_hook_refusal, run_python, sandbox_isolation
 from rljax.envs.sandbox_limits import ISOLATIONS, SandboxLimits, SandboxResult
 from rljax.envs.tokenizer import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 
@@ -121,11 +123,17 @@ class PythonToolEnv(CalculatorEnv):
     if isolation == "auto":  # fail closed: the fallback only by name
       found = sandbox_isolation(interpreter)
       if found.mode != "namespaces":
+        also = (f" (refused here too: {found.fallback_refused})"
+                if found.fallback_refused else "")
         raise ValueError(
             f"the sandbox's namespaces are unavailable here ({found.reason}); python_tool "
             "refuses to run model code without them unless the config chooses the weaker "
-            "fallback by name: env.sandbox.isolation = 'audit_hook'")
+            f"fallback by name: env.sandbox.isolation = 'audit_hook'{also}")
     elif isolation == "audit_hook":
+      refused = audit_hook_refusal()  # fail closed: no uid of its own, no Landlock
+      if refused:
+        raise ValueError("python_tool refuses to run model code in the fallback chosen "
+                         f"by env.sandbox.isolation = 'audit_hook' here: {refused}")
       logging.warning(AUDIT_HOOK_WARNING)
     self.max_obs_tokens, self.isolation, self.interpreter = max_obs_tokens, isolation, interpreter
     self.max_concurrent = max_concurrent or 2 * (os.cpu_count() or 1)

@@ -13,8 +13,9 @@ infra_failure episode, kept out of gradients and baselines) is set only for fail
 host proves its own, each with its reason: no working directory (host resources), the
 interpreter could not start, the launcher or supervisor reported a setup error (a
 namespace, mount, rlimit, uid, seccomp or exec step), the launcher ended before its
-supervisor reported "started", the program was not started within wall_s, or "auto"
-found no namespaces (refused, below). The supervisor reports "started" just before it
+supervisor reported "started", the program was not started within wall_s, "auto"
+found no namespaces, or the audit_hook fallback has neither a uid of its own nor
+Landlock here (both refused, below). The supervisor reports "started" just before it
 forks the program, so a run that ends after that without the program's wait status was
 ended by the program (nothing of the host's runs there but wait4 and one write): it is
 status "error", the program's failure. The program cannot write to the status pipe (it
@@ -113,10 +114,18 @@ ABI >= 6 signals and abstract unix sockets scoped to the program's own processes
                 host runs the program as the host's user (RLIMIT_NPROC: that user's
                 task count now plus max_processes), seccomp keeping its signals to
                 itself and Landlock's scoping keeping it out of that user's other
-                processes' /proc/<pid> (mem, fd, environ: EACCES, tested); on a
-                kernel without Landlock only the audit hook guards those (a program
-                past it could write the host's memory through /proc/<pid>/mem): use
-                namespaces or a root host (a uid of its own) there.
+                processes' /proc/<pid> (mem, fd, environ: EACCES, tested). On a
+                kernel without Landlock only the audit hook would guard those (a
+                program past it could write the trainer's memory through
+                /proc/<pid>/mem; measured: as nobody it opens O_RDWR), so that one
+                combination (audit_hook, a non-root host, no Landlock) fails closed:
+                `audit_hook_refusal()` says why, `sandbox_isolation().fallback_refused`
+                carries it, run_python returns infra_error "refused: ..." without
+                starting anything, python_tool refuses to be built (a run fails at
+                start), and the launcher refuses it too (a setup error) should a
+                caller get past the host's check. It runs as root (the program gets a
+                uid of its own) or on a kernel with Landlock (Linux >= 5.13, landlock
+                among the active LSMs).
 `run_python(..., isolation=...)` forces either mode (the tests run both).
 
 Reading: namespaces mode shows only its minimal root (above); audit_hook mode reads
@@ -135,6 +144,7 @@ import sys
 import tempfile
 import time
 
+from rljax.envs import sandbox_landlock
 from rljax.envs.sandbox_host import _infra, _remove_tree, _run
 from rljax.envs.sandbox_limits import ISOLATIONS, SandboxLimits, SandboxResult
 
@@ -148,20 +158,54 @@ class Isolation:
   processes: str  # "pid_namespace" | "process_group"
   user: str  # "unique_uid" (root host, either mode) | "user_namespace" | "host_uid"
   reason: str = ""  # why namespaces are not used
+  fallback_refused: str = ""  # why isolation="audit_hook" is refused here ("": it runs)
+
+
+def _host_is_root() -> bool:
+  """Whether the host runs as root, so that a program gets a uid of its own (the launcher
+  decides the same way: its euid, inherited from here)."""
+  return os.geteuid() == 0
+
+
+def audit_hook_refusal() -> str:
+  """"" where the audit_hook fallback may run here; otherwise why it is refused: a non-root
+  host (the program would run as the host's own user) on a kernel without Landlock
+  (nothing but the audit hook between the program and that user's other processes'
+  /proc/<pid>/mem and environ). See the module docstring."""
+  if _host_is_root() or sandbox_landlock.abi_version() > 0:
+    return ""
+  return (f"the audit_hook fallback would run the program as this host's own user (uid "
+          f"{os.geteuid()}: not root, so there is no uid of its own to drop to) on a kernel "
+          "without Landlock (landlock_create_ruleset reports no ABI), leaving only the "
+          "audit hook, which is not a security boundary, between it and that user's other "
+          "processes' /proc/<pid>/mem and environ (the trainer's memory); to run it, run "
+          "as root (the program then gets a uid of its own) or on a kernel with Landlock "
+          "(Linux >= 5.13 with landlock among the active LSMs), or use isolation='auto' "
+          "where namespaces are available")
 
 
 @functools.lru_cache(maxsize=None)
-def sandbox_isolation(interpreter: str | None = None) -> Isolation:
-  """Probes once per interpreter: a trivial program under isolation="namespaces"; if it
-  runs, namespaces are used, else the audit-hook fallback (with the probe's error)."""
+def _namespaces_failure(interpreter: str | None) -> str:
+  """Probes once per interpreter: "" if a trivial program runs under
+  isolation="namespaces", else the probe's error."""
   probe = run_python("pass", SandboxLimits(wall_s=30.0), interpreter=interpreter,
                      isolation="namespaces")
   if probe.status == "ok":
+    return ""
+  return probe.infra_error or f"{probe.status}: {probe.detail}"
+
+
+def sandbox_isolation(interpreter: str | None = None) -> Isolation:
+  """Namespaces where the (cached) probe runs under them, else the audit-hook fallback
+  (with the probe's error); `fallback_refused` says whether the fallback may run here."""
+  failure, refused = _namespaces_failure(interpreter), audit_hook_refusal()
+  if not failure:
     return Isolation("namespaces", "netns", "read_only_mounts", "pid_namespace",
-                     "unique_uid" if os.geteuid() == 0 else "user_namespace")
+                     "unique_uid" if _host_is_root() else "user_namespace",
+                     fallback_refused=refused)
   return Isolation("audit_hook", "audit_hook", "audit_hook", "process_group",
-                   "unique_uid" if os.geteuid() == 0 else "host_uid",
-                   reason=probe.infra_error or f"{probe.status}: {probe.detail}")
+                   "unique_uid" if _host_is_root() else "host_uid", reason=failure,
+                   fallback_refused=refused)
 
 
 def sandbox_network_isolation(interpreter: str | None = None) -> str:
@@ -182,9 +226,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = 
     if isolation == "auto":
       found = sandbox_isolation(interpreter)
       if found.mode != "namespaces":  # fail closed: the fallback only by name
+        also = (f" (and is refused here: {found.fallback_refused})"
+                if found.fallback_refused else "")
         return _infra(f"refused: namespaces are unavailable ({found.reason}); the "
-                      "audit_hook fallback runs only when chosen by name", 0.0, "")
+                      f"audit_hook fallback runs only when chosen by name{also}", 0.0, "")
     mode = "namespaces" if isolation == "auto" else isolation
+    if mode == "audit_hook":  # fail closed: no uid of its own and no Landlock
+      refused = audit_hook_refusal()
+      if refused:
+        return _infra(f"refused: {refused}", 0.0, "")
     box = tempfile.mkdtemp(prefix="rljax-sandbox-")
     return _run(code, limits, stdin, interpreter, mode, box)
   except Exception as e:  # pylint: disable=broad-except  (the sandbox's failure)

@@ -11,7 +11,9 @@ holds the audit-hook fallback's writes to world-writable host directories (/tmp,
 sits behind the read-only mounts. Stdlib only (ctypes, raw system calls: x86_64 and
 aarch64 share Landlock's numbers).
 
-Returns the ABI version used, or 0 where the kernel has no Landlock (the caller decides).
+Returns the ABI version used, or 0 where the kernel has no Landlock (the caller decides:
+the audit_hook fallback as the host's own user, no root to drop from, is then refused;
+`abi_version()` is the probe, `sandbox.audit_hook_refusal()` the decision).
 """
 
 from __future__ import annotations

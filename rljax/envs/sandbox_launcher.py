@@ -216,7 +216,12 @@ def _exec_program(libc: _Libc, config: dict, status_fd: int, uid: int, gid: int,
     bootstrap = f"exec(compile({_BOOTSTRAP!r}, '<sandbox>', 'exec'))"
     # never root, so RLIMIT_NPROC holds: the program may fork
     python = python or _program_interpreter(uid)
-    guards["landlock"].restrict(work)  # writes only beneath work
+    landlock = guards["landlock"].restrict(work)  # writes only beneath work
+    if not landlock and not drop and config["mode"] == "audit_hook":
+      # the host's uid, no Landlock: only the audit hook would keep the program out of
+      # that user's /proc/<pid>/mem (sandbox.audit_hook_refusal refuses this first)
+      raise OSError("refusing the audit_hook fallback as the host's own user on a kernel "
+                    "without Landlock (run as root or on a kernel with Landlock)")
     guards["seccomp"].install(config["mode"], os.getpid())  # last: execve stays allowed
     os.execve(python, [python, "-I", "-S", "-u", "-c", bootstrap, config["mode"], work, "1"],
               env)
