@@ -586,7 +586,9 @@ def test_latency_is_applied_and_a_slow_env_times_out():
 
 
 def test_registry_and_protocol():
-  for name in set(envs.ENVS) - {"dataset"}:  # the dataset env needs data (test_dataset_env)
+  # the dataset env needs data (test_dataset_env), function_call a tokenizer whose chat
+  # template renders tools (test_function_call)
+  for name in set(envs.ENVS) - {"dataset", "function_call"}:
     env = envs.make(name)
     assert isinstance(env, envs.Env) and isinstance(env, BaseEnv) and env.name == name
   with pytest.raises(ValueError, match="unknown env 'chess'"):

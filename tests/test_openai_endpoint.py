@@ -714,18 +714,23 @@ def _reply(r):
   return {"role": "assistant", "content": r["choices"][0]["message"]["content"]}
 
 
+def _twin_episodes(endpoint, lost, kept):
+  """Two episodes with the same seeded first turn; the history after it."""
+  for eid in (lost, kept):
+    _register(endpoint, eid)
+  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+  r1 = [_chat_ok(endpoint, eid, msgs, max_tokens=6, seed=5) for eid in (lost, kept)]
+  assert r1[0]["rljax"]["completion_token_ids"] == r1[1]["rljax"]["completion_token_ids"]
+  return msgs + [_reply(r1[0])]
+
+
 def test_a_turn_its_client_never_got_is_rolled_back_by_a_different_call(served):
   # the harness hangs up on a turn and sends something else (the same history with
   # another observation and budget): 200, and the episode is the one a harness without
   # the hang-up records (seeded calls: the same keys in both episodes), bit for bit
   run, endpoint = served
   before = dict(endpoint.stats)
-  for eid in ("lost", "kept"):
-    _register(endpoint, eid)
-  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
-  r1 = [_chat_ok(endpoint, eid, msgs, max_tokens=6, seed=5) for eid in ("lost", "kept")]
-  assert r1[0]["rljax"]["completion_token_ids"] == r1[1]["rljax"]["completion_token_ids"]
-  history = msgs + [_reply(r1[0])]
+  history = _twin_episodes(endpoint, "lost", "kept")
   _turn_nobody_gets(endpoint, {"model": "rljax", "episode_id": "lost", "max_tokens": 8,
                                "seed": 5, "messages": history + [
                                    {"role": "tool", "content": "result: 46"}]})
@@ -769,11 +774,7 @@ def test_a_call_while_the_turn_it_gave_up_on_still_runs_waits_and_rolls_it_back(
   # the one a harness without the hang-up records, bit for bit
   run, endpoint = served
   before = dict(endpoint.stats)
-  for eid in ("gave-up", "kept-g"):
-    _register(endpoint, eid)
-  msgs = [{"role": "user", "content": "What is 12 + 34?"}]
-  r1 = [_chat_ok(endpoint, eid, msgs, max_tokens=6, seed=5) for eid in ("gave-up", "kept-g")]
-  history = msgs + [_reply(r1[0])]
+  history = _twin_episodes(endpoint, "gave-up", "kept-g")
   other = history + [{"role": "tool", "content": "result: 47"}]
   result = {}
   endpoint.pause()

@@ -6,7 +6,8 @@
 
 Single-turn: arithmetic, countdown, dataset (rows of a JSONL/parquet file scored by a
 reward function). Multi-turn (tool use, one growing sequence): calculator, python_tool
-(model-written code run in `sandbox.run_python`). An env of your own:
+(model-written code run in `sandbox.run_python`), function_call (a `multiply` tool called
+through the chat template's `<tool_call>`, the token sequence the OpenAI endpoint records). An env of your own:
 `make("package.module:factory", **kwargs)` calls factory(**kwargs) (with the `tokenizer=`
 it is given) and checks that it returns an Env. `rollout` is the reference episode loop;
 `LatencyModel` injects slow-sandbox delays.
@@ -19,13 +20,14 @@ from rljax.envs.base import (SPLITS, BaseEnv, Env, Episode, MultiTurnEnv, SFTTar
 from rljax.envs.calculator import CalculatorEnv
 from rljax.envs.countdown import CountdownEnv
 from rljax.envs.dataset import DatasetEnv
+from rljax.envs.function_call import FunctionCallEnv
 from rljax.envs.importing import import_object, is_import_path
 from rljax.envs.latency import LatencyModel
 from rljax.envs.python_tool import PythonToolEnv
 from rljax.envs.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TransformersTokenizer
 
 ENVS = {cls.name: cls for cls in (ArithmeticEnv, CountdownEnv, CalculatorEnv, DatasetEnv,
-                                  PythonToolEnv)}
+                                  PythonToolEnv, FunctionCallEnv)}
 
 
 def make(name: str, **kwargs) -> Env:
@@ -46,7 +48,7 @@ def make(name: str, **kwargs) -> Env:
 
 
 __all__ = ["ArithmeticEnv", "BaseEnv", "CalculatorEnv", "CharTokenizer", "CountdownEnv",
-           "DatasetEnv", "ENVS", "Env", "Episode", "HFTokenizer", "LatencyModel",
-           "MultiTurnEnv", "PythonToolEnv", "SFTTarget", "SPLITS", "Split", "StepResult",
-           "Task", "Tokenizer", "TransformersTokenizer", "Verdict", "import_object", "make",
-           "rollout", "safe_step", "safe_verify", "split_of"]
+           "DatasetEnv", "ENVS", "Env", "Episode", "FunctionCallEnv", "HFTokenizer",
+           "LatencyModel", "MultiTurnEnv", "PythonToolEnv", "SFTTarget", "SPLITS", "Split",
+           "StepResult", "Task", "Tokenizer", "TransformersTokenizer", "Verdict",
+           "import_object", "make", "rollout", "safe_step", "safe_verify", "split_of"]

@@ -218,16 +218,26 @@ CHAT_TEMPLATE = (
 CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def train_byte_level_bpe(texts: Iterable[str], directory: str, *, vocab_size: int = 512) -> str:
+def train_byte_level_bpe(texts: Iterable[str], directory: str, *, vocab_size: int = 512,
+                         individual_digits: bool = False,
+                         chat_template: str = CHAT_TEMPLATE) -> str:
   """Trains a small byte-level BPE tokenizer on `texts` and saves it to `directory` as a
   `transformers` tokenizer with Qwen's chat tokens (CHAT_SPECIAL_TOKENS; eos <|im_end|>,
-  pad <|endoftext|>) and CHAT_TEMPLATE: a real tokenizer of the kind `from_dir` reads, for
-  tests and examples. Any text encodes (every byte is a token). Returns `directory`."""
+  pad <|endoftext|>) and `chat_template`: a real tokenizer of the kind `from_dir` reads, for
+  tests and examples. Any text encodes (every byte is a token). `individual_digits`: every
+  digit its own token, never merged (as Qwen's tokenizers split numbers), and the other
+  text merged across words and punctuation (a task's fixed phrases become few tokens).
+  Returns `directory`."""
   # pylint: disable=g-import-not-at-top  (optional dependencies)
   import transformers
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  if individual_digits:  # digits split off; merges may then cross words and punctuation
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  else:
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -235,6 +245,6 @@ def train_byte_level_bpe(texts: Iterable[str], directory: str, *, vocab_size: in
   tok.train_from_iterator(list(texts), trainer=trainer)
   hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                             pad_token="<|endoftext|>")
-  hf.chat_template = CHAT_TEMPLATE
+  hf.chat_template = chat_template
   hf.save_pretrained(directory)
   return directory
