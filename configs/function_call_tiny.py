@@ -8,7 +8,8 @@ with Qwen's chat tokens and a Qwen3-layout tools template; every digit a token).
 SFT warm start on demonstrations (call, response, product), stopped once greedy pass@1 on
 64 train probe tasks reaches 0.4, teaches the format imperfectly (sampled at temperature
 0.7, most episodes miscopy an operand or the product, or break the call); GRPO steps
-through the endpoint then improve held-out greedy pass@1.
+through the endpoint then improve held-out greedy pass@1: 0.477 -> 0.820, 0.531 -> 0.836,
+0.602 -> 0.828 in seeds 0, 1, 2 (experiments/study_agent_grpo.py, 60 steps, 2026-12-06).
 """
 
 import os
