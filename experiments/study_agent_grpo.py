@@ -6,7 +6,8 @@ with `tools`; the model's `tool_calls` run by the harness, their results sent ba
   .venv/bin/python experiments/study_agent_grpo.py --config=configs/function_call_tiny.py \
       --workdir=/tmp/fc --seeds=0,1,2
 
-Per seed (in <workdir>/seed<N>):
+The harness and the GRPO step are `rljax.serving.harness`'s. Per seed (in
+<workdir>/seed<N>):
 1. SFT warm start on the env's demonstrations (`function_call`: one call, its response,
    the product), until greedy pass@1 on train probe tasks reaches `sft.target_pass1`
    (probed in-process: the env's episodes are the token sequences the endpoint records;
@@ -27,7 +28,6 @@ line is one JSON object: every seed's before / after / gain, and the machine.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import json
 import logging
 import os
@@ -35,17 +35,13 @@ import sys
 import time
 
 from absl import app, flags
-import httpx
-import numpy as np
-import openai
 from ml_collections import config_flags
 
 from rljax import compile_cache, numerics
-from rljax.envs.function_call import TOOLS, call_tool
 from rljax.pipeline import core, grpo_update, report, sft
 from rljax.pipeline.run import LOCKSTEP, build
-from rljax.pipeline.watch import rollout_stats
 from rljax.serving import Endpoint
+from rljax.serving.harness import evaluate, grpo_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import machine_info  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -57,92 +53,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "study directory (fresh): a run 
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (config.seed of each run)")
 _TOOL_PARSER = flags.DEFINE_string("tool_parser", "hermes", "how the endpoint reads the "
                                    "model's tool calls (see rljax.serving.tools)")
-
-
-def run_episode(url: str, model: str, env, task, episode_id: str, group_id: str | None,
-                **params) -> dict:
-  """One episode of a function-calling harness: chat calls with the tools until a reply
-  without tool calls (the answer) or `env.max_turns` replies; then the episode is finished
-  with its reward (`env.reward_of` the last reply's content). Returns the reward and the
-  episode's turns, tool calls and tool errors. `group_id` None: an evaluation episode (a
-  group of its own, dropped instead of finished: never trained)."""
-  headers = {"X-Episode-Id": episode_id, "X-Group-Id": group_id or episode_id}
-  messages, final = env.messages(task), None
-  turns = tool_calls = tool_errors = 0
-  with openai.OpenAI(api_key="unused", base_url=f"{url}/v1", default_headers=headers,
-                     max_retries=2, timeout=600.0) as client:
-    for _ in range(env.max_turns):
-      try:
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                               **params)
-      except openai.BadRequestError as e:  # the context is full: the episode ends here
-        if getattr(e, "code", None) != "context_length_exceeded":
-          raise
-        break
-      turns += 1
-      message = reply.choices[0].message
-      messages.append(message.model_dump(exclude_none=True))
-      if not message.tool_calls:
-        final = message.content
-        break
-      for call in message.tool_calls:
-        response, error = call_tool(call.function.name, call.function.arguments)
-        tool_calls, tool_errors = tool_calls + 1, tool_errors + error
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": response})
-  reward = env.reward_of(task, final)
-  if group_id is None:
-    httpx.delete(f"{url}/v1/episodes/{episode_id}", timeout=60.0).raise_for_status()
-  else:
-    httpx.post(f"{url}/v1/episodes/{episode_id}/finish", json={"reward": reward},
-               timeout=60.0).raise_for_status()
-  return {"reward": reward, "turns": turns, "tool_calls": tool_calls,
-          "tool_errors": tool_errors}
-
-
-def episode_means(outs: list[dict]) -> dict:
-  return {"pass1": float(np.mean([o["reward"] for o in outs])),
-          **{f"{k}_per_episode": float(np.mean([o[k] for o in outs]))
-             for k in ("turns", "tool_calls", "tool_errors")}}
-
-
-def run_all(pool, jobs) -> list[dict]:
-  """Every episode at once (the endpoint batches their turns); results in job order."""
-  return [f.result() for f in [pool.submit(run_episode, *job[0], **job[1]) for job in jobs]]
-
-
-def evaluate(run, endpoint, pool, model: str, name: str) -> dict:
-  """Held-out greedy pass@1 through the endpoint (an `endpoint_eval` record)."""
-  t0 = time.perf_counter()
-  jobs = [((endpoint.url, model, run.env, task, f"eval-{name}-{i}", None),
-           {"temperature": 0.0, "max_tokens": run.config.rl.max_new_tokens})
-          for i, task in enumerate(run.heldout)]
-  out = episode_means(run_all(pool, jobs)) | {"eval_s": time.perf_counter() - t0}
-  run.log.write("endpoint_eval", run.version, out)
-  return out
-
-
-def grpo_step(run, endpoint, pool, model: str, learner, tasks, step: int) -> dict:
-  """One rollout through the endpoint, one update on the groups it recorded, the new
-  weights served."""
-  c = run.config.rl
-  t0 = time.perf_counter()
-  jobs = [((endpoint.url, model, run.env, task, f"s{step}-p{p}-e{k}", f"s{step}-p{p}"),
-           {"max_tokens": c.max_new_tokens})
-          for p, task in enumerate(itertools.islice(tasks, c.prompts_per_step))
-          for k in range(c.group_size)]
-  outs = run_all(pool, jobs)
-  groups = endpoint.take_groups(c.group_size)
-  if len(groups) != c.prompts_per_step:
-    raise RuntimeError(f"step {step}: {len(groups)} complete groups, not {c.prompts_per_step}")
-  t1 = time.perf_counter()
-  metrics = grpo_update.train_on_groups(run, learner, [g.trajectories for g in groups])
-  endpoint.update_weights(run.serve(run.state), run.version)
-  t2 = time.perf_counter()
-  stats = rollout_stats([t for g in groups for t in g.trajectories])
-  means = episode_means(outs)
-  record = metrics | stats | {k: v for k, v in means.items() if k != "pass1"} | {
-      "rollout_s": t1 - t0, "train_s": t2 - t1}
-  return run.log.write("grpo", run.version, record)
 
 
 def run_seed(config, workdir: str, tool_parser: str) -> dict:

@@ -1,10 +1,8 @@
 """The function_call env (a `multiply` tool called through the chat template's
-`<tool_call>`) and GRPO through the OpenAI endpoint (experiments/study_agent_grpo.py): the
-env's episodes are the endpoint's records token for token, and one update on groups a
-harness drove over HTTP with the `openai` SDK re-scores every sampled token bitwise."""
-
-import importlib.util
-import pathlib
+`<tool_call>`) and GRPO through the OpenAI endpoint (rljax.serving.harness, the loop of
+experiments/study_agent_grpo.py): the env's episodes are the endpoint's records token for
+token, and one update on groups a harness drove over HTTP with the `openai` SDK re-scores
+every sampled token bitwise."""
 
 import ml_collections
 import numpy as np
@@ -15,12 +13,8 @@ from rljax import envs
 from rljax.envs.function_call import FunctionCallEnv, call_tool, call_text
 from rljax.envs.tokenizer import TransformersTokenizer, train_byte_level_bpe
 from rljax.rl.trajectory import Outcome
+from rljax.serving import harness
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("study_agent_grpo",
-                                               ROOT / "experiments" / "study_agent_grpo.py")
-study = importlib.util.module_from_spec(_spec)  # its harness and its GRPO step
-_spec.loader.exec_module(study)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +130,7 @@ def test_the_harness_episode_is_the_envs_episode_token_for_token(served):
   outs = {}
   for i, task in enumerate(run.heldout):
     for k in range(2):
-      outs[f"same-{i}-{k}"] = study.run_episode(
+      outs[f"same-{i}-{k}"] = harness.run_episode(
           endpoint.url, run.config.name, run.env, task, f"same-{i}-{k}", f"same-{i}",
           temperature=0.0, max_tokens=run.config.rl.max_new_tokens)
   assert any(o["tool_calls"] for o in outs.values()), outs  # the tool path is exercised
@@ -157,7 +151,7 @@ def test_one_grpo_step_on_episodes_a_harness_drove(served):
   learner = grpo_update.grpo_learner(run)
   tasks = core.task_stream(run.env, 16, 0)
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
-    record = study.grpo_step(run, endpoint, pool, run.config.name, learner, tasks, 1)
+    record = harness.grpo_step(run, endpoint, pool, run.config.name, learner, tasks, 1)
   assert run.version == 1 and record["episodes"] == 4
   assert record["mismatch_tokens"] > 0 and record["mismatch_max_abs"] == 0.0  # bitwise
   assert 1.0 <= record["turns_per_episode"] <= run.env.max_turns

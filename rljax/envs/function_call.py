@@ -87,6 +87,8 @@ def call_text(a: int, b: int) -> str:
 
 class FunctionCallEnv(BaseEnv):
   name = "function_call"
+  tools = TOOLS  # what a harness sends (rljax.serving.harness)
+  call_tool = staticmethod(call_tool)
 
   def __init__(self, *, min_digits: int = 3, max_digits: int = 3, max_turns: int = 3,
                **kwargs):

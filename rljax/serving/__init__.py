@@ -141,7 +141,8 @@ replies, rollbacks), `owner` (the engine-owner thread), `render` (a call's histo
 the record, the chat template, ids to text, stop strings), `tools` (tools and tool-call
 parsers), `stream` (server-sent events), `endpoint` (`Endpoint`, tying them together),
 `group_files` (taken groups as `.npz` files a trainer reads: `write_group`,
-`write_groups`, experiments/serve.py's loop).
+`write_groups`, experiments/serve.py's loop), `harness` (a function-calling harness on
+the `openai` SDK and GRPO steps on the episodes it drives: experiments/study_agent_grpo.py).
 """
 
 from rljax.serving.api import ApiError
