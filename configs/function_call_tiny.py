@@ -1,7 +1,7 @@
 """Function calling through the OpenAI endpoint: 3-digit products with a `multiply` tool
 the tiny policy calls through `tool_calls` (Qwen3's `<tool_call>{json}</tool_call>`,
 rendered and parsed by the checkpoint's chat template and the hermes parser), trained by
-GRPO on episodes a harness drives over HTTP (`experiments/agent_grpo.py`).
+GRPO on episodes a harness drives over HTTP (`experiments/study_agent_grpo.py`).
 
 arith_tiny's policy over `examples/function_call_tokenizer` (a byte-level BPE of 511 ids
 with Qwen's chat tokens and a Qwen3-layout tools template; every digit a token). A short

@@ -1,13 +1,14 @@
-"""Writes the tokenizer of configs/function_call_tiny.py to DIR (examples/function_call_tokenizer
-is its output, committed):
+"""Writes the tokenizer of configs/function_call_tiny.py to DIR
+(examples/function_call_tokenizer is its output, committed):
 
   .venv/bin/python examples/make_function_call_tokenizer.py DIR
 
 A byte-level BPE (`rljax.envs.tokenizer.train_byte_level_bpe`: up to 1024 ids, 511 learned;
-every digit its own token as in Qwen's tokenizers; the fixed phrases merged) with Qwen's chat tokens and `function_call.TOOLS_TEMPLATE`
-(Qwen3's tool layout), trained on conversations of the function_call task rendered by that
-template: the task's tools, questions, calls, tool responses (and error responses) and
-answers, as a model's tokenizer is trained on its kind of text.
+every digit its own token as in Qwen's tokenizers; the fixed phrases merged) with Qwen's
+chat tokens and `function_call.TOOLS_TEMPLATE` (Qwen3's tool layout), trained on
+conversations of the function_call task rendered by that template: the task's tools,
+questions, calls, tool responses (and error responses) and answers, as a model's
+tokenizer is trained on its kind of text.
 """
 
 import json
@@ -53,7 +54,7 @@ def main(directory: str) -> None:
   convs = conversations(rng, CONVERSATIONS)
   texts = [renderer.apply_chat_template(c, tools=TOOLS, tokenize=False) for c in convs]
   args = json.loads(convs[0][1]["tool_calls"][0]["function"]["arguments"])
-  if call_text(args["a"], args["b"]) not in texts[0]:  # the demonstrations' calls are the template's
+  if call_text(args["a"], args["b"]) not in texts[0]:  # demonstrations call as it renders
     sys.exit("TOOLS_TEMPLATE renders a tool call other than function_call.call_text")
   train_byte_level_bpe(texts, directory, vocab_size=VOCAB_SIZE, individual_digits=True,
                        chat_template=TOOLS_TEMPLATE)

@@ -7,7 +7,8 @@
 Single-turn: arithmetic, countdown, dataset (rows of a JSONL/parquet file scored by a
 reward function). Multi-turn (tool use, one growing sequence): calculator, python_tool
 (model-written code run in `sandbox.run_python`), function_call (a `multiply` tool called
-through the chat template's `<tool_call>`, the token sequence the OpenAI endpoint records). An env of your own:
+through the chat template's `<tool_call>`, the token sequence the OpenAI endpoint
+records). An env of your own:
 `make("package.module:factory", **kwargs)` calls factory(**kwargs) (with the `tokenizer=`
 it is given) and checks that it returns an Env. `rollout` is the reference episode loop;
 `LatencyModel` injects slow-sandbox delays.

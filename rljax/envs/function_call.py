@@ -142,7 +142,7 @@ class FunctionCallEnv(BaseEnv):
     self.latency.sleep()
     action = np.asarray(action_ids).reshape(-1)
     stopped = len(action) and int(action[-1]) in self.tokenizer.stop_ids
-    turn = sum(1 for _ in self._turns(history_ids)) + 1
+    turn = self._tool_responses(history_ids) + 1
     text = self._decode(action[:-1] if stopped else action)
     parsed = None if text is None or not stopped else hermes_tool_calls(text)
     if parsed is None or turn >= self.max_turns:
@@ -155,10 +155,10 @@ class FunctionCallEnv(BaseEnv):
     return StepResult(obs, False, info={"tool_calls": len(calls),
                                         "tool_errors": sum(e for _, e in responses)})
 
-  def _turns(self, history_ids: np.ndarray):
-    """One item per earlier observation (a tool response) in the completion so far."""
+  def _tool_responses(self, history_ids: np.ndarray) -> int:
+    """Earlier observations (tool responses) in the completion so far."""
     text = self._decode(np.asarray(history_ids).reshape(-1)) or ""
-    return range(text.count("<tool_response>"))
+    return text.count("<tool_response>")
 
   def verify(self, task: Task, completion_ids: np.ndarray) -> Verdict:
     ids = np.asarray(completion_ids).reshape(-1)

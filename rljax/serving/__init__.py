@@ -43,7 +43,8 @@ A turn whose sampling differs from the parked request's (other stop tokens) take
 fresh path.
 
 Chat templating is incremental (`rljax.envs.chat`, shared with the envs that speak
-through a chat template: `function_call`'s episodes are the endpoint's, token for token). The first call's messages are rendered by the tokenizer's
+through a chat template: `function_call`'s episodes are the endpoint's, token for token).
+The first call's messages are rendered by the tokenizer's
 chat template with the generation prompt and tokenized. A later call must repeat the
 recorded conversation exactly (every earlier message, and the assistant replies exactly as
 this server returned them: role and content compared) and append at least one non-assistant
@@ -117,11 +118,12 @@ sequence holding it is released, and the call is a fresh submit of the record un
 same request id (the bits of an episode that never had the turn; tested bitwise, plain and
 cut mid-stream). Finishing an episode whose last turn is unseen rolls it back too (its
 only turn: 400 `empty_episode`): no trained token was unseen by its harness
-(`stats["rolled_back_turns"]`). A call (or finish, or DELETE) that arrives while its episode's turn
-is still running or its reply still being written (a harness that gave up on it: its
+(`stats["rolled_back_turns"]`). A call (or finish, or DELETE) that arrives while its
+episode's turn is still running or its reply still being written (a harness that gave up on it: its
 client timed out) waits for that turn and for the server's word on its delivery (up to
 `busy_wait_s`, then 409 `episode_busy`), so a reply its client never got is rolled back
-rather than refused as `history_mismatch`. Under load (the test: 64 episodes at once on loopback,
+rather than refused as `history_mismatch`. Under load (the test: 64 episodes at once on
+loopback,
 every 8th dropping its first call's connection and retrying) no call is a 500.
 
 Long episodes: one whose reply reached max_seq_len (`finish_reason` "length"), or whose

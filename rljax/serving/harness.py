@@ -18,6 +18,7 @@ pass@1 through the endpoint (`temperature: 0`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -32,11 +33,11 @@ from rljax.pipeline.watch import rollout_stats
 def run_episode(url: str, model: str, env, task, episode_id: str, group_id: str | None,
                 **params) -> dict:
   """One episode of a function-calling harness on the `openai` SDK against the endpoint at
-  `url`: chat calls with `env.tools` until a reply
-  without tool calls (the answer) or `env.max_turns` replies; then the episode is finished
-  with its reward (`env.reward_of` the last reply's content). Returns the reward and the
-  episode's turns, tool calls and tool errors. `group_id` None: an evaluation episode (a
-  group of its own, dropped instead of finished: never trained)."""
+  `url`: chat calls with `env.tools` until a reply without tool calls (the answer) or
+  `env.max_turns` replies; then the episode is finished with its reward (`env.reward_of`
+  the last reply's content). Returns the reward and the episode's turns, tool calls and
+  tool errors. `group_id` None: an evaluation episode (a group of its own, dropped instead
+  of finished: never trained)."""
   headers = {"X-Episode-Id": episode_id, "X-Group-Id": group_id or episode_id}
   messages, final = env.messages(task), None
   turns = tool_calls = tool_errors = 0
@@ -44,8 +45,8 @@ def run_episode(url: str, model: str, env, task, episode_id: str, group_id: str 
                      max_retries=2, timeout=600.0) as client:
     for _ in range(env.max_turns):
       try:
-        reply = client.chat.completions.create(model=model, messages=messages, tools=env.tools,
-                                               **params)
+        reply = client.chat.completions.create(model=model, messages=messages,
+                                               tools=env.tools, **params)
       except openai.BadRequestError as e:  # the context is full: the episode ends here
         if getattr(e, "code", None) != "context_length_exceeded":
           raise
@@ -76,18 +77,20 @@ def episode_means(outs: list[dict]) -> dict:
              for k in ("turns", "tool_calls", "tool_errors")}}
 
 
-def run_all(pool, jobs) -> list[dict]:
-  """Every episode at once (the endpoint batches their turns); results in job order."""
-  return [f.result() for f in [pool.submit(run_episode, *job[0], **job[1]) for job in jobs]]
+def run_all(pool, episodes) -> list[dict]:
+  """Every episode (a `run_episode` call) at once: the endpoint batches their turns;
+  results in order."""
+  return [f.result() for f in [pool.submit(episode) for episode in episodes]]
 
 
 def evaluate(run, endpoint, pool, model: str, name: str) -> dict:
   """Held-out greedy pass@1 through the endpoint (an `endpoint_eval` record)."""
   t0 = time.perf_counter()
-  jobs = [((endpoint.url, model, run.env, task, f"eval-{name}-{i}", None),
-           {"temperature": 0.0, "max_tokens": run.config.rl.max_new_tokens})
-          for i, task in enumerate(run.heldout)]
-  out = episode_means(run_all(pool, jobs)) | {"eval_s": time.perf_counter() - t0}
+  episodes = [functools.partial(run_episode, endpoint.url, model, run.env, task,
+                                f"eval-{name}-{i}", None, temperature=0.0,
+                                max_tokens=run.config.rl.max_new_tokens)
+              for i, task in enumerate(run.heldout)]
+  out = episode_means(run_all(pool, episodes)) | {"eval_s": time.perf_counter() - t0}
   run.log.write("endpoint_eval", run.version, out)
   return out
 
@@ -97,11 +100,12 @@ def grpo_step(run, endpoint, pool, model: str, learner, tasks, step: int) -> dic
   weights served."""
   c = run.config.rl
   t0 = time.perf_counter()
-  jobs = [((endpoint.url, model, run.env, task, f"s{step}-p{p}-e{k}", f"s{step}-p{p}"),
-           {"max_tokens": c.max_new_tokens})
-          for p, task in enumerate(itertools.islice(tasks, c.prompts_per_step))
-          for k in range(c.group_size)]
-  outs = run_all(pool, jobs)
+  episodes = [functools.partial(run_episode, endpoint.url, model, run.env, task,
+                                f"s{step}-p{p}-e{k}", f"s{step}-p{p}",
+                                max_tokens=c.max_new_tokens)
+              for p, task in enumerate(itertools.islice(tasks, c.prompts_per_step))
+              for k in range(c.group_size)]
+  outs = run_all(pool, episodes)
   groups = endpoint.take_groups(c.group_size)
   if len(groups) != c.prompts_per_step:
     raise RuntimeError(f"step {step}: {len(groups)} complete groups, not {c.prompts_per_step}")
