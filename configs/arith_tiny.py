@@ -56,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.learning_rate = 3e-3  # after a linear warmup; cosine decay to final_lr_frac of it
   c.sft.warmup_steps = 50
   c.sft.final_lr_frac = 1.0  # constant: a decayed warm start leaves GRPO little to sharpen
+  c.sft.schedule_steps = 0  # the cosine decay's horizon (0: sft.steps)
+  c.sft.adam_b1, c.sft.adam_b2, c.sft.adam_eps = 0.9, 0.999, 1e-8
+  c.sft.clip_norm = 1.0
   c.sft.weight_decay = 0.0
   c.sft.num_tasks = 20000
   c.sft.log_every = 25
@@ -95,7 +98,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.learning_rate = 2e-4
   c.rl.warmup_steps = 20
   c.rl.final_lr_frac = 0.05  # < 1: cosine decay to learning_rate * final_lr_frac at rl.steps
-  c.rl.adam_b2 = 0.999
+  c.rl.schedule_steps = 0  # the cosine decay's horizon (0: rl.steps)
+  c.rl.adam_b1, c.rl.adam_b2, c.rl.adam_eps = 0.9, 0.999, 1e-8
   c.rl.weight_decay = 0.0
   c.rl.clip_norm = 1.0
   c.rl.microbatches = 1

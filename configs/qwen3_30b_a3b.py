@@ -77,9 +77,12 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
       max_prompt_tokens=512, verifier_processes=8, verifier_timeout_s=5.0))
   # A rollout host is one 8-chip machine: experts split 8 ways (16 a chip), attention and
   # embeddings replicated, slots and KV pages split 8 ways. Per chip (aot_check): 9.6 GiB
-  # of bf16 weights + 3.0 GiB of KV pages for 64 slots x 4096 tokens (98 KB a token)
+  # of bf16 weights + 3.0 GiB of KV pages for 64 slots x 4096 tokens (98 KB a token).
+  # The TPU compiler (aot_check --topology=v5p:4x4x4): decode 22% of a v5p chip's HBM, a
+  # prefill of all 64 slots x 4,096 tokens 59%; a v6e host (32 GB a chip) needs
+  # max_prefill_tokens=16384 (0: a prefill call takes every admitted slot at once)
   c.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=4096,
-                                            mesh={"expert": 8}))
+                                            mesh={"expert": 8}, max_prefill_tokens=0))
 
   c.sft = ml_collections.ConfigDict(dict(
       load="", steps=0,  # a pretrained (instruction-tuned) model: no warm start

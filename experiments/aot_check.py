@@ -1,14 +1,9 @@
-"""Ahead-of-time check of a real-size config: the GRPO train step and the engine's decode
-loop lowered (and, given the devices, compiled) on abstract inputs over an abstract mesh,
-with per-device bytes (rljax/aot.py says what is measured and how).
+"""Ahead-of-time check of a real-size config (rljax/aot.py says what is measured and how):
 
   python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
-      [--num_slots=64 --max_seq_len=4096 --microbatch_tokens=0 --platform=tpu]
+      --topology=v5p:4x4x4  # the TPU compiler, from this CPU
   python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
-      --host_devices=64  # compile
-
-(`--config.init_from=` plans config.model's shapes; `--config.init_from=hf:DIR` those of
-DIR's config.json.)
+      [--platform=tpu | --host_devices=64]  # lower only, or compile with XLA:CPU
 
 Prints a table; the last line is one JSON object.
 """
@@ -19,7 +14,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from rljax import aot, numerics
+from rljax import aot, aot_report, numerics
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_30b_a3b.py",
                                           "config with `model` and `mesh`", lock_config=True)
@@ -39,6 +34,13 @@ _DECODE_RULES = flags.DEFINE_enum("decode_rules", "decode", ["decode", "train"],
 _PLATFORM = flags.DEFINE_string("platform", None, "lowering platform: cpu, tpu, cuda, rocm "
                                 "(default: the running backend)")
 _COMPILE = flags.DEFINE_bool("compile", True, "compile too, where the devices allow")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "a TPU slice (v5p:4x4x4, v6e:2x2): "
+                                "compile with the TPU compiler on its chips")
+_DECODE_TOPOLOGY = flags.DEFINE_string("decode_topology", None, "the rollout host's slice")
+_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 0, "prefill rows (0: the largest call)")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_len", 0, "prefill width (0: max_seq_len)")
+_PROGRAMS = flags.DEFINE_list("programs", list(aot.DEFAULT_PROGRAMS),
+                              f"which of {list(aot.PROGRAMS)} to lower and compile")
 _HOST_DEVICES = flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices "
                                      "(>= mesh size, for compiling; 0 = leave as is)")
 
@@ -60,10 +62,14 @@ def main(argv):
                      microbatches=_MICROBATCHES.value,
                      decode_mesh=aot.parse_mesh(_DECODE_MESH.value) or None,
                      decode_rules=_DECODE_RULES.value, platform=_PLATFORM.value,
-                     compile_=_COMPILE.value)
-  print(aot.table(report), flush=True)
+                     compile_=_COMPILE.value, topology=_TOPOLOGY.value,
+                     prefill_rows=_PREFILL_ROWS.value, prefill_len=_PREFILL_LEN.value,
+                     programs=tuple(_PROGRAMS.value), decode_topology=_DECODE_TOPOLOGY.value)
+  if report["topology"]:
+    report["fit"], report["roofline"] = aot_report.fits(report), aot_report.roofline(report)
+  print(aot_report.table(report), flush=True)
   print(json.dumps(report), flush=True)
-  if not (report["train"]["lowered"] and report["decode"]["lowered"]):
+  if not all(report[p]["lowered"] for p in _PROGRAMS.value):
     raise SystemExit(1)
 
 

@@ -90,7 +90,7 @@ CFG = ModelConfig(vocab_size=4096, hidden_size=256, num_hidden_layers=4,
                   num_experts_per_tok=2, moe_intermediate_size=256,
                   max_position_embeddings=256, page_size=16, dtype="float32",
                   param_dtype="float32", decode_attention="reference", train_experts="ragged",
-                  engine_experts="ragged")
+                  engine_experts="ragged", det_attention="jnp", expert_kernel="jnp")
 BATCH, SEQ = 8, 64
 DATA_VOCAB = 1024  # the Markov chain's tokens
 CATCH_UP = (2, 5, 10)

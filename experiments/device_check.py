@@ -267,8 +267,8 @@ def _load_model_config(spec: str) -> ModelConfig:
 def _resolved(cfg: ModelConfig, mode: str):
   """cfg with this backend's and mode's choices, and those choices."""
   cfg = cfg.resolved(jax.default_backend(), mode)
-  paths = {f: getattr(cfg, f) for f in ("train_experts", "engine_experts",
-                                         "decode_attention", "dtype")}
+  paths = {f: getattr(cfg, f) for f in ("train_experts", "engine_experts", "expert_kernel",
+                                         "decode_attention", "det_attention", "dtype")}
   return cfg, paths
 
 

@@ -1,5 +1,6 @@
-"""The opt-in deterministic Pallas kernels on a GPU or TPU: engine = trainer with them, and
-what they cost against the jnp paths they follow. One JSON object as the last line.
+"""The deterministic Pallas kernels (TPU's default, opt-in on GPU) on a GPU or TPU: engine =
+trainer with them, and what they cost against the jnp paths they follow. One JSON object as
+the last line.
 
     PYTHONPATH=. python experiments/study_det_kernels.py            # on the device
     .venv/bin/python experiments/study_det_kernels.py --quick       # CPU: interpret mode

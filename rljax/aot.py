@@ -1,60 +1,52 @@
-"""Ahead-of-time check of a real-size config (`experiments/aot_check.py`): the GRPO train step and the engine's decode
-step lowered (and, given the devices, compiled) on abstract inputs, with per-device bytes.
+"""Ahead-of-time check of a real-size config (`experiments/aot_check.py`): the GRPO train
+step, the engine's decode loop and its largest prefill (and a LoRA run's step) lowered and
+compiled on abstract inputs, with per-device bytes.
 
   python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
-      [--num_slots=64 --max_seq_len=4096 --microbatch_tokens=0 --platform=tpu]
+      --topology=v5p:4x4x4 [--programs=train,decode,prefill,lora_train]  # TPU compiler
   python experiments/aot_check.py --config=configs/qwen3_30b_a3b.py --config.init_from= \
-      --host_devices=64  # compile
+      [--platform=tpu | --host_devices=64]  # lower only, or compile with XLA:CPU
 
 (`--config.init_from=` plans config.model's shapes; `--config.init_from=hf:DIR` those of
 DIR's config.json.)
 
 Nothing of the model's size is allocated: params, optimizer state, batch and KV pages are
 `jax.ShapeDtypeStruct`s carrying `NamedSharding`s (params from `jax.eval_shape`), and the
-functions lowered are the real ones: `learner.make_grpo_step(...).jitted` with its state
-shardings (as `pipeline.grpo_update.grpo_learner` wires it, from `build(config)`) and the
-engine's decode loop (`EnginePrograms(...).decode`, the jitted `steps_per_call`-step
-program `DecodeEngine` runs, on the arguments `EnginePrograms.decode_args` describes, with
-explicit shardings).
+functions are the real ones: `learner.make_grpo_step(...).jitted` with its state
+shardings (as `build(config)` wires it) and the engine's programs (`EnginePrograms`, on
+the arguments `decode_args` / `prefill_args` describe, with explicit shardings).
 
-What works in jax 0.10.2 (measured): the mesh is a `jax.sharding.AbstractMesh` of the
-config's shape, so any mesh size lowers on a 1-CPU machine, for any platform
-(`jit(f).trace(*args).lower(lowering_platforms=("tpu",))`; cpu, tpu and cuda all lower;
-a plain `.lower(...)` refuses a computation whose only mesh is abstract). Compiling needs a
-device per mesh position: with `--host_devices=N` (>= the mesh size; sets
-`jax_num_cpu_devices` before the CPU backend starts) the cpu lowering is compiled with
-`device_assignment=` the first simulated devices and `memory_analysis()` is reported.
-Those are XLA:CPU's buffers: arguments, outputs and aliases (the donated train state and
-KV pools) are exact per device; temp is not a GPU/TPU number. XLA:CPU expands each
-`ragged_dot` (fast-mode experts) into dense [local experts, tokens * k, hidden] f32 arrays
-(32 GiB a layer for Qwen3-30B-A3B at one 4096-token row per device: a train-step temp of
-~2.7 TB) and upcasts bf16 weights to f32; a temp for the target needs a compile there.
-Qwen3-30B-A3B on this 2-core machine: lowering both steps ~15 s, compiling on 64
-simulated devices ~2.5 min. The decode lowering takes the jnp attention path (the Pallas
-kernel is chosen only when the running backend is a GPU).
+`topology` (jax 0.10.2 with libtpu, measured): `get_topology_desc` gives a TPU slice's
+chips on this CPU; the meshes are concrete meshes of them (laid out on the slice's torus),
+and each program is compiled by the TPU compiler (Mosaic for Pallas kernels), whose
+`memory_analysis` (per chip: arguments, outputs, aliases, temps) and `cost_analysis` are
+the TPU's. Without it the mesh is an `AbstractMesh`: any size lowers for any platform
+(`trace(...).lower(lowering_platforms=...)`); compiling that needs a device per mesh
+position (`--host_devices=N` simulated CPUs), and XLA:CPU's temps are not a TPU's (it
+expands `ragged_dot` densely over experts and upcasts bf16). An AbstractMesh lowered for
+tpu compiles on XLA:CPU, hence the concrete mesh.
 
 Per-device bytes come from each array's `NamedSharding.shard_shape` (padded shards count
-in full). KV pages: [layers, num_pages, page_size, kv_heads, head_dim] x 2 (k, v), stored
-as raw bits of the compute dtype, num_pages = 1 + num_slots * ceil(max_seq_len / page_size)
-(the engine's default), sharded by the rules table (`kv_heads` -> `model`; `pages` is
-replicated). Prints a table; the last line is one JSON object.
+in full; a TPU pads small arrays further). KV pages: [layers, num_pages, page_size,
+kv_heads, head_dim] x 2 (k, v), as raw bits of the compute dtype, num_pages = 1 +
+num_slots * ceil(max_seq_len / page_size), sharded by the rules table. The report's table
+and roofline: `rljax.aot_report`.
 """
 
 from __future__ import annotations
 
 import math
-import time
-import traceback
 from typing import Any
 
-from absl import logging
 import jax
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 from rljax import sharding as sharding_lib
+from rljax.aot_compile import (abstract_mesh, lower_and_compile, running_platform, topology_chips,
+                               topology_mesh)
 from rljax.engine.pages import pages_for
 from rljax.engine.programs import EnginePrograms
 from rljax.model import ModelConfig, abstract_params, active_params, count_params
@@ -65,6 +57,13 @@ from rljax.rl.batch import TrainBatch
 
 
 GIB = 2.0 ** 30
+# what `check` can lower and compile (`programs`), and what it does by default
+PROGRAMS = ("train", "decode", "prefill", "lora_train")
+DEFAULT_PROGRAMS = PROGRAMS[:3]
+# the shape the roofline (rljax.aot_report) counts FLOPs and bytes from
+MODEL_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "remat", "tie_word_embeddings")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -74,15 +73,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     name, _, size = part.partition("=")
     out[name.strip()] = int(size)
   return out
-
-
-def abstract_mesh(shape: dict[str, int]) -> AbstractMesh:
-  unknown = set(shape) - set(sharding_lib.MESH_AXES)
-  if unknown:
-    raise ValueError(f"unknown mesh axes {sorted(unknown)}")
-  sizes = tuple(int(shape.get(a, 1)) for a in sharding_lib.MESH_AXES)
-  return AbstractMesh(sizes, sharding_lib.MESH_AXES,
-                      axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def with_shardings(tree: Any, shardings: Any) -> Any:
@@ -113,51 +103,6 @@ def split_opt_state(opt_state: Any) -> dict[str, list]:
     names = {getattr(p, "name", None) for p in path}
     out["mu" if "mu" in names else "nu" if "nu" in names else "other"].append(leaf)
   return out
-
-
-def running_platform() -> str:
-  """The running backend as a lowering platform name (gpu -> cuda or rocm)."""
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  return xla_bridge.canonicalize_platform(jax.default_backend())
-
-
-def memory_stats(compiled) -> dict[str, int] | None:
-  m = compiled.memory_analysis()
-  if m is None:
-    return None
-  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-          "temp_size_in_bytes", "generated_code_size_in_bytes")
-  return {k.removesuffix("_size_in_bytes"): int(getattr(m, k)) for k in keys}
-
-
-def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
-                      compile_: bool) -> tuple[dict, Any]:
-  """Lowers `jitted` on abstract args; compiles on the first mesh_size devices if it can."""
-  out: dict[str, Any] = {"lowered": False, "compiled": False}
-  t0 = time.perf_counter()
-  try:
-    lowered = jitted.trace(*args).lower(lowering_platforms=(platform,))
-  except Exception as e:  # pylint: disable=broad-except
-    logging.error("lowering failed:\n%s", traceback.format_exc())
-    return out | {"error": f"{type(e).__name__}: {str(e)[:500]}"}, None
-  out.update(lowered=True, lower_s=round(time.perf_counter() - t0, 2))
-  if not compile_:
-    return out | {"compile_skipped": "--nocompile"}, lowered
-  if platform != running_platform():
-    return out | {"compile_skipped": f"lowered for {platform} on a "
-                  f"{running_platform()} backend"}, lowered
-  if jax.device_count() < mesh_size:
-    return out | {"compile_skipped": f"needs {mesh_size} devices, have "
-                  f"{jax.device_count()} (--host_devices={mesh_size})"}, lowered
-  t0 = time.perf_counter()
-  try:
-    compiled = lowered.compile(device_assignment=tuple(jax.devices()[:mesh_size]))
-  except Exception as e:  # pylint: disable=broad-except
-    logging.error("compile failed:\n%s", traceback.format_exc())
-    return out | {"compile_error": f"{type(e).__name__}: {str(e)[:500]}"}, lowered
-  out.update(compiled=True, compile_s=round(time.perf_counter() - t0, 2),
-             memory=memory_stats(compiled))
-  return out, lowered
 
 
 def routed_expert_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -215,9 +160,26 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
           name: str | None = None, steps_per_call: int = 8, microbatch_tokens: int = 0,
           row_len: int = 0, microbatches: int = 1, decode_mesh: dict[str, int] | None = None,
           decode_rules: str = "decode", platform: str | None = None,
-          compile_: bool = True, lora_rank: int = 16) -> dict:
-  """Lowers (and compiles) the train and decode steps of `config`; returns the report
-  (with the train state a LoRA run of rank `lora_rank` would hold, beside it)."""
+          compile_: bool = True, lora_rank: int = 16, topology: str | None = None,
+          prefill_rows: int = 0, prefill_len: int = 0,
+          programs: tuple[str, ...] = DEFAULT_PROGRAMS,
+          decode_topology: str | None = None) -> dict:
+  """Lowers (and compiles) the train step, the decode loop and the engine's largest prefill
+  (`prefill_rows` x `prefill_len` tokens; 0: num_slots x max_seq_len) of `config`; returns
+  the report (with the train state a LoRA run of rank `lora_rank` would hold, beside it).
+  `topology` ("v5p:4x4x4"): the meshes are that TPU slice's chips and every program is
+  compiled by the TPU compiler, from this CPU; a mesh larger than the slice is an error.
+  `decode_topology`: the rollout host's own slice for the engine's programs (e.g. v6e:2x4
+  beside a v6e:8x8 trainer; default `topology`).
+  `programs`: which of PROGRAMS to lower ("lora_train": the GRPO step of a rank-`lora_rank`
+  LoRA run on the frozen bf16 base); the others are reported as skipped."""
+  unknown = set(programs) - set(PROGRAMS)
+  if unknown:
+    raise ValueError(f"unknown programs {sorted(unknown)}; expected some of {PROGRAMS}")
+  if topology:
+    if platform not in (None, "tpu"):
+      raise ValueError(f"--topology compiles for TPU, not platform {platform!r}")
+    platform = "tpu"
   platform = {"gpu": "cuda"}.get(platform, platform) or running_platform()
   # backend choices for the platform lowered for, not the one this runs on
   built = build(config, MODEL_ONLY + (("rl",) if "rl" in config else ()), devices=False,
@@ -227,11 +189,25 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   engine_mesh = dict(config.engine.get("mesh", {})) if "engine" in config else {}
   decode_shape = {a: int((decode_mesh or engine_mesh or mesh_shape).get(a, 1))
                   for a in sharding_lib.MESH_AXES}
-  train_sh = sharding_lib.Sharding(abstract_mesh(mesh_shape))
+  if decode_topology and not topology:
+    raise ValueError("decode_topology needs topology (the trainer's slice)")
+  if topology:
+    train_mesh = topology_mesh(mesh_shape, topology_chips(topology), topology)
+    host = decode_topology or topology
+    decode_mesh_ = topology_mesh(decode_shape, topology_chips(host), host)
+  else:
+    train_mesh, decode_mesh_ = abstract_mesh(mesh_shape), abstract_mesh(decode_shape)
+  train_sh = sharding_lib.Sharding(train_mesh)
   decode_sh = sharding_lib.Sharding(
-      abstract_mesh(decode_shape),
+      decode_mesh_,
       sharding_lib.DECODE_RULES if decode_rules == "decode" else sharding_lib.RULES)
   mesh_size, decode_size = math.prod(mesh_shape.values()), math.prod(decode_shape.values())
+  compile_kw = dict(platform=platform, compile_=compile_, concrete=bool(topology))
+
+  def lower(name, jitted, args, size):
+    if name not in programs:
+      return {"lowered": False, "compiled": False, "skipped": "not asked for"}
+    return lower_and_compile(jitted, args, mesh_size=size, **compile_kw)[0]
 
   # ---- train state and step (as pipeline.grpo_update.grpo_learner wires them) ----------------
   # without an rl block: the learner's defaults (the schedule does not change any shape)
@@ -262,10 +238,8 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   # rl.kl_to_start: the step also takes the start policy's params (serving dtype, laid out
   # like the serving params of the train state)
   reference = serving_train if built.loss and built.kl_to_start else None
-  train, _ = lower_and_compile(step.jitted,
-                               (state, batch, jax.ShapeDtypeStruct((), jnp.int32), None,
-                                reference),
-                               platform=platform, mesh_size=mesh_size, compile_=compile_)
+  version = jax.ShapeDtypeStruct((), jnp.int32)
+  train = lower("train", step.jitted, (state, batch, version, None, reference), mesh_size)
   train.update(rows_per_microbatch=rows, row_len=row_len, microbatches=microbatches,
                microbatch_tokens=rows * row_len, router_replay=replay)
 
@@ -276,18 +250,30 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
       lambda k: learner.init_state(lora_lib.init_adapters(cfg, lora, k), optimizer),
       jax.random.key(0)), lora_sharding)
   lora_opt = split_opt_state(lora_state.opt_state)
+  lora_step = learner.make_grpo_step(
+      cfg, optimizer, numerics=numerics, loss_cfg=built.loss or learner.LossConfig(),
+      replay=replay, sharding=train_sh, state_sharding=lora_sharding, lora=lora)
+  lora_train = lower("lora_train", lora_step.jitted,
+                     (lora_state, batch, version, serving_train, None), mesh_size)
 
   # ---- engine: the decode loop the engine runs, on abstract params and KV pages ----------
-  programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
-                            max_blocks=pages_for(max_seq_len, cfg.page_size),
-                            steps_per_call=steps_per_call, sharding=decode_sh)
-  num_pages = programs.round_pages(1 + num_slots * pages_for(max_seq_len, cfg.page_size))
-  decode_args = programs.decode_args(num_pages)
+  engine = EnginePrograms(cfg, numerics, num_slots=num_slots,
+                          max_blocks=pages_for(max_seq_len, cfg.page_size),
+                          steps_per_call=steps_per_call, sharding=decode_sh)
+  num_pages = engine.round_pages(1 + num_slots * pages_for(max_seq_len, cfg.page_size))
+  decode_args = engine.decode_args(num_pages)
   serving, (pool, _) = decode_args[0], decode_args[1]
   pool_shape = pool.shape
-  decode, _ = lower_and_compile(programs.decode, decode_args, platform=platform,
-                                mesh_size=decode_size, compile_=compile_)
+  decode = lower("decode", engine.decode, decode_args, decode_size)
   decode.update(num_slots=num_slots, max_seq_len=max_seq_len, steps_per_call=steps_per_call)
+  # the engine's largest prefill call: every slot, or what config.engine.max_prefill_tokens
+  # leaves of them at full width
+  width = prefill_len or max_seq_len
+  cap = int(config.engine.get("max_prefill_tokens", 0)) if "engine" in config else 0
+  rows = prefill_rows or min(num_slots, cap // width if cap else num_slots)
+  prefill = lower("prefill", engine.prefill, engine.prefill_args(num_pages, rows, width),
+                  decode_size)
+  prefill.update(rows=rows, width=width)
 
   # ---- bytes ----------------------------------------------------------------------------
   parts = {
@@ -317,7 +303,8 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
                     "serving_per_device": shard_bytes(serve)}
   itemsize = jnp.dtype(cfg.compute_dtype).itemsize
   return {
-      "config": name or config.get("name", None), "platform": platform, "abstract_mesh": True,
+      "config": name or config.get("name", None), "platform": platform,
+      "abstract_mesh": not topology,
       "params_total": count_params(state.params), "params_active": active_params(cfg),
       "mesh": mesh_shape, "decode_mesh": decode_shape, "decode_rules": decode_rules,
       "per_device_bytes": per_device, "global_bytes": per_global,
@@ -325,59 +312,12 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
              "spec": str(pool.sharding.spec),
              "bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                                 * cfg.head_dim * itemsize},
-      "train": train, "decode": decode, "arrays": arrays,
+      "topology": topology, "chips": mesh_size if topology else None,
+      "decode_topology": decode_topology or topology,
+      "train": train, "decode": decode, "prefill": prefill, "lora_train": lora_train,
+      "arrays": arrays,
       "lora": {"rank": lora.rank, "targets": list(lora.targets),
-               "adapter_params": count_params(lora_state.params)}}
-
-
-# HBM per chip, in bytes (vendors' GB)
-BUDGETS = {"H200": 141e9, "TPU v5p": 95e9, "H100": 80e9}
-
-
-def table(report: dict) -> str:
-  g, d = report["global_bytes"], report["per_device_bytes"]
-  mesh = lambda m: " ".join(f"{k}={v}" for k, v in m.items())  # noqa: E731
-  lines = [f"params {report['params_total'] / 1e9:.2f}B total, "
-           f"{report['params_active'] / 1e9:.2f}B active; platform {report['platform']}",
-           f"train mesh  [{mesh(report['mesh'])}]",
-           f"decode mesh [{mesh(report['decode_mesh'])}] rules={report['decode_rules']}",
-           "", f"{'':<38}{'global GiB':>12}{'per device GiB':>16}{'per device bytes':>18}"]
-  rows = (("trainer: params f32 master", "params_f32"),
-          ("trainer: params bf16 (serving bits)", "params_bf16_train"),
-          ("trainer: adam mu", "adam_mu"), ("trainer: adam nu", "adam_nu"),
-          ("trainer: step counts", "counts"),
-          ("trainer: state (master + opt)", "train_state"),
-          ("trainer, LoRA: adapters f32", "lora_adapters_f32"),
-          ("trainer, LoRA: adam mu + nu", "lora_adam"),
-          ("trainer, LoRA: base bf16 + state", "lora_train_state"),
-          ("trainer: one step's batch", "train_batch"),
-          ("trainer: kl_to_start reference bf16", "kl_reference_bf16"),
-          ("engine: params bf16", "params_bf16_serving"),
-          ("engine: KV pages (k + v)", "kv_pages"),
-          ("engine: params + KV", "engine"))
-  for label, key in rows:
-    lines.append(f"{label:<38}{g[key] / GIB:>12.3f}{d[key] / GIB:>16.3f}{d[key]:>18,}")
-  kv = report["kv"]
-  lines.append(f"KV: {kv['shape']} spec {kv['spec']}, {kv['bytes_per_token']:,} B/token")
-  for name in ("train", "decode"):
-    r = report[name]
-    status = (f"lowered in {r['lower_s']} s" if r["lowered"] else f"LOWERING FAILED: "
-              f"{r.get('error')}")
-    if r["compiled"]:
-      status += f", compiled in {r['compile_s']} s"
-    elif r["lowered"]:
-      status += f"; not compiled: {r.get('compile_skipped') or r.get('compile_error')}"
-    lines.append(f"{name} step: {status}")
-    if r.get("memory"):
-      lines.append("  memory_analysis per device (GiB): " + ", ".join(
-          f"{k} {v / GIB:.3f}" for k, v in r["memory"].items()))
-  lines.append("per-device budget (weights + KV or state + batch; compiled temporaries "
-               "come on top):")
-  for chip, budget in BUDGETS.items():
-    fits = [f"{who} {need / budget:.0%}" for who, need in
-            (("engine", d["engine"]),
-             ("trainer", d["train_state"] + d["train_batch"] + d["kl_reference_bf16"]),
-             (f"LoRA r{report['lora']['rank']} trainer",
-              d["lora_train_state"] + d["train_batch"]))]
-    lines.append(f"  {chip} ({budget / 1e9:.0f} GB): " + ", ".join(fits))
-  return "\n".join(lines)
+               "adapter_params": count_params(lora_state.params)},
+      "model": {f: getattr(cfg, f) for f in MODEL_FIELDS} | {
+          "moe_layers": len(cfg.moe_layers())},
+      "numerics": numerics.mode}

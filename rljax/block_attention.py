@@ -42,10 +42,53 @@ def gather_blocks(pool: jax.Array, page_table: jax.Array, layer: int | None = No
   return blocks.reshape(b, nb * pool.shape[-3], *pool.shape[-2:])
 
 
+QUERY_CHUNK = 512  # queries per attention call over a longer row (`attend`)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
            page_size: int, numerics: Numerics, scale: float,
-           q_segments: jax.Array | None = None,
-           kv_segments: jax.Array | None = None, per_kv_head: bool = True) -> jax.Array:
+           q_segments: jax.Array | None = None, kv_segments: jax.Array | None = None,
+           per_kv_head: bool = True, query_chunk: int | None = None) -> jax.Array:
+  """Causal grouped-query attention of q over a block view of keys (`_attend`).
+
+  More than `query_chunk` (default QUERY_CHUNK) queries (a training row, a long prefill)
+  are taken in chunks of at most that many, in a `lax.map` whose body is rematerialised:
+  scores, masks and what the backward keeps are then [chunk, keys], not [queries, keys],
+  so memory grows with the row, not its square (a 1M-param model's train step on one
+  4,096-token row held 5 GB of such temporaries on a TPU). The last chunk is padded with
+  queries that see no key (q_index -1), dropped after. Each query's result is computed by
+  the same operations on the same keys, so deterministic numerics gives the same bits
+  either way (its dots are per query tile; tested bitwise); fast numerics agrees up to
+  XLA's rounding choices.
+  """
+  b, t = q.shape[:2]
+  query_chunk = query_chunk or QUERY_CHUNK
+  kw = dict(page_size=page_size, numerics=numerics, scale=scale, per_kv_head=per_kv_head)
+  if t <= query_chunk:
+    return _attend(q, k, v, q_index, q_segments=q_segments, kv_segments=kv_segments, **kw)
+  chunks = -(-t // query_chunk)
+  size = -(-t // chunks)
+  pad = chunks * size - t
+
+  def split(x, fill):  # [B, T, ...] -> [chunks, B, size, ...]
+    if x is None:
+      return None
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, chunks, size, *x.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def one_chunk(xs):
+    q_c, index_c, segments_c = xs
+    return _attend(q_c, k, v, index_c, q_segments=segments_c, kv_segments=kv_segments, **kw)
+
+  out = lax.map(one_chunk, (split(q, 0), split(q_index, -1), split(q_segments, 0)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, chunks * size, *q.shape[2:])[:, :t]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_index: jax.Array, *,
+            page_size: int, numerics: Numerics, scale: float,
+            q_segments: jax.Array | None = None,
+            kv_segments: jax.Array | None = None, per_kv_head: bool = True) -> jax.Array:
   """Causal grouped-query attention of q over a block view of keys.
 
   q: [B, T, H, D]; k, v: [B, N, Hkv, D] with N a multiple of `page_size` (key n sits at

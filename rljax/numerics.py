@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import os
 from typing import Any, Literal
 
@@ -65,7 +66,29 @@ def set_up_process(mode: str) -> None:
   """First thing in an entry point's main, with the run's numerics mode: a deterministic
   run installs its XLA flags before anything starts JAX's backend; a fast one keeps XLA's
   defaults (the platform's best settings)."""
+  skip_absent_accelerators()
   Numerics(mode)  # checks the mode; a deterministic one installs the flags
+
+
+def skip_absent_accelerators() -> None:
+  """On a host with no TPU chip and no GPU, runs JAX on CPU without probing the others.
+
+  With libtpu installed (the `tpu` and `test` extras: the TPU compiler that
+  `experiments/aot_check.py --topology` runs from CPU) JAX would start libtpu's runtime
+  first in every process, which prints warnings about a missing TPU and then falls back to
+  CPU. Sets JAX_PLATFORMS=cpu for this process and the processes it starts; a JAX_PLATFORMS
+  already set wins, and hosts with a TPU chip or a GPU device file are left as they are.
+  TPU topologies for ahead-of-time compiles still work."""
+  if os.environ.get("JAX_PLATFORMS"):
+    return
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return
+  if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if not _backend_started():
+    jax.config.update("jax_platforms", "cpu")
 
 
 def _backend_started() -> bool:

@@ -17,8 +17,9 @@ xla_flags.install()
 # The suite runs both numerics modes in this one process, so it takes the deterministic
 # XLA flags before JAX starts (fast-mode tests pay for them; entry points run in their own
 # processes with their config's mode, see test_numerics).
-from rljax.numerics import install_deterministic_xla_flags
+from rljax.numerics import install_deterministic_xla_flags, skip_absent_accelerators
 
+skip_absent_accelerators()  # libtpu is installed (the TPU compile tests): CPU, unprobed
 install_deterministic_xla_flags()
 
 import jax

@@ -5,15 +5,20 @@ import inspect
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from configs import arith_tiny
 from rljax.model import ModelConfig, abstract_params, active_params, count_params, forward
 from rljax.model.params import init_params
 from rljax.pipeline import async_loop, core, lockstep
-from rljax.pipeline.run import ASYNC_TRAINER, BLOCKS, ConfigError, build, validate
+from rljax.pipeline.run import (ASYNC_TRAINER, BLOCKS, MODEL_ONLY, RECIPE_DEFAULTS,
+                                ConfigError, block_optimizer, build, lr_schedule, mesh_devices,
+                                validate)
+from rljax.rl import learner
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
@@ -79,6 +84,30 @@ def test_qwen3_235b_a22b_parameter_counts():
 def test_unknown_model_key_is_rejected():
   with pytest.raises(ValueError, match="unknown model config keys"):
     ModelConfig.from_dict({**_load("tiny_moe").model.to_dict(), "num_expert": 4})
+
+
+def test_deterministic_tpu_runs_take_the_pallas_kernels_on_one_device():
+  # "auto" for a TPU in deterministic mode: the kernels on a one-device run; a sharded mesh
+  # (the trainer's or a rollout host's) keeps the jnp paths (XLA cannot partition a Mosaic
+  # call)
+  config = arith_tiny.get_config()
+  config.numerics = "deterministic"
+
+  def kernels(config):
+    cfg = build(config, MODEL_ONLY, devices=False, platform="tpu").cfg
+    return cfg.det_attention, cfg.expert_kernel
+
+  assert kernels(config) == ("pallas_tpu", "pallas_tpu")
+  sharded = arith_tiny.get_config()
+  sharded.numerics = "deterministic"
+  sharded.mesh.fsdp = 2
+  assert kernels(sharded) == ("jnp", "jnp")
+  host = arith_tiny.get_config()
+  host.numerics = "deterministic"
+  host.engine.mesh = ml_collections.ConfigDict({"expert": 2})
+  assert mesh_devices(host) == 2 and kernels(host) == ("jnp", "jnp")
+  config.model.det_attention = "jnp"  # still the user's to set
+  assert kernels(config) == ("jnp", "pallas_tpu")
 
 
 def test_build_names_a_missing_misspelled_or_short_block():
@@ -154,6 +183,20 @@ BAD_VALUES = [
      r"\['keep', 'recompute'\], not 'reload'"),
     ("async_rl.checkpoint_every", 0, r"config.async_rl.checkpoint_every must be >= 1"),
     ("async_rl.max_staleness", -1, r"config.async_rl.max_staleness must be >= 0"),
+    ("sft.warmup_steps", -1, r"config.sft.warmup_steps must be an int >= 0 \(0: the full "
+     r"rate from the first update\), not -1"),
+    ("rl.final_lr_frac", 1.5, r"config.rl.final_lr_frac must be a number in \[0, 1\], not 1.5"),
+    ("sft.schedule_steps", -1, r"config.sft.schedule_steps must be an int >= 1 \(the cosine "
+     r"horizon\), or 0 / None \(the block's steps\), not -1"),
+    ("rl.schedule_steps", -5, r"config.rl.schedule_steps must be an int >= 1"),
+    ("sft.adam_b1", 1.0, r"config.sft.adam_b1 must be a number in \[0, 1\), not 1.0"),
+    ("rl.adam_b1", -0.1, r"config.rl.adam_b1 must be a number in \[0, 1\), not -0.1"),
+    ("sft.adam_b2", 1.0, r"config.sft.adam_b2 must be a number in \[0, 1\), not 1.0"),
+    ("rl.adam_b2", float("nan"), r"config.rl.adam_b2 must be a number in \[0, 1\), not nan"),
+    ("sft.adam_eps", 0.0, r"config.sft.adam_eps must be a number > 0, not 0.0"),
+    ("rl.adam_eps", -1e-8, r"config.rl.adam_eps must be a number > 0"),
+    ("sft.clip_norm", 0.0, r"config.sft.clip_norm must be a number > 0, not 0.0"),
+    ("rl.clip_norm", float("inf"), r"config.rl.clip_norm must be a number > 0, not inf"),
 ]
 
 
@@ -257,7 +300,6 @@ def test_no_pipeline_module_imports_one_above_it():
 def test_lr_schedule_without_warmup_starts_at_the_learning_rate():
   """warmup_steps 0: the first update has the full rate (a constant-lr recipe such as
   TRL's can be matched), with or without the cosine decay; a warmup starts from 0."""
-  from rljax.pipeline.run import lr_schedule  # pylint: disable=g-import-not-at-top
   block = lambda warmup, final: ml_collections.ConfigDict(dict(  # noqa: E731
       learning_rate=2e-4, warmup_steps=warmup, final_lr_frac=final))
   constant = lr_schedule(block(0, 1.0), 100)
@@ -267,3 +309,125 @@ def test_lr_schedule_without_warmup_starts_at_the_learning_rate():
   warm = lr_schedule(block(20, 0.05), 100)
   assert float(warm(0)) == 0.0 and float(warm(20)) == pytest.approx(2e-4)
   assert float(warm(100)) == pytest.approx(1e-5)
+
+
+def test_recipe_keys_of_the_wrong_type_or_left_out():
+  config = arith_tiny.get_config()
+  del config.sft["adam_eps"]  # a config's own key may have any type
+  config.sft.adam_eps = "1e-8"
+  with pytest.raises(ConfigError, match=r"config.sft.adam_eps must be a number > 0, not '1e-8'"):
+    build(config, ASYNC_TRAINER)
+  config = arith_tiny.get_config()
+  del config.rl["warmup_steps"]
+  config.rl.warmup_steps = 2.5
+  with pytest.raises(ConfigError, match=r"config.rl.warmup_steps must be an int >= 0"):
+    validate(config, ASYNC_TRAINER)
+  config = arith_tiny.get_config()  # the optional keys left out: their defaults
+  for block, key in [("sft", k) for k in RECIPE_DEFAULTS] + [("rl", "schedule_steps"),
+                                                             ("rl", "adam_b1"),
+                                                             ("rl", "adam_eps")]:
+    del config[block][key]
+  config.sft.schedule_steps = None  # None: the block's steps, as 0
+  validate(config, ASYNC_TRAINER)
+
+
+def _updates(optimizer, grads, n):
+  """The first `n` updates of `optimizer` for the same gradient, from zero params."""
+  params = jnp.zeros_like(grads)
+
+  def step(state, _):
+    updates, state = optimizer.update(grads, state, params)
+    return state, updates
+
+  return jax.lax.scan(step, optimizer.init(params), length=n)[1]
+
+
+def _first_updates(c, grads, n=1):
+  return _updates(block_optimizer(c), grads, n)
+
+
+@pytest.mark.parametrize("block", ["sft", "rl"])
+def test_warmup_zero_gives_the_full_rate_at_the_first_update(block):
+  c = arith_tiny.get_config()[block]
+  c.update(dict(warmup_steps=0, final_lr_frac=0.05))
+  lr = c.learning_rate
+  # Adam's first direction for a unit gradient is 1 up to f32 rounding of its bias
+  # corrections (1 - b2 = 0.001 has a relative error of 1.3e-5 in f32)
+  np.testing.assert_allclose(_first_updates(c, jnp.ones(1)), [[-lr]], rtol=1e-5)
+  c.warmup_steps = 20  # a warmup starts from 0
+  assert float(_first_updates(c, jnp.ones(1))[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("block", ["sft", "rl"])
+def test_a_horizon_longer_than_the_run_leaves_the_rate_above_the_final_one(block):
+  c = arith_tiny.get_config()[block]
+  c.update(dict(steps=100, warmup_steps=20, final_lr_frac=0.05))
+  lr, final = c.learning_rate, c.learning_rate * c.final_lr_frac
+  for horizon in (0, 400):  # 0: the run's steps
+    c.schedule_steps = horizon
+    # the last of 100 updates has count 99; a unit gradient's update is -(its rate), as above
+    last = -float(_first_updates(c, jnp.ones(1), 100)[-1, 0])
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 20, horizon or 100, final)
+    assert last == pytest.approx(float(schedule(99)), rel=1e-5)
+    assert last < 1.01 * final if horizon == 0 else last > 10 * final
+  assert float(lr_schedule(c, c.steps)(400)) == pytest.approx(final)
+
+
+@pytest.mark.parametrize("block", ["sft", "rl"])
+def test_adam_betas_and_eps_reach_scale_by_adam(block):
+  c = arith_tiny.get_config()[block]
+  c.update(dict(warmup_steps=0, final_lr_frac=1.0, adam_b1=0.8, adam_b2=0.98, adam_eps=1e-3,
+                clip_norm=100.0))
+  grads = jnp.asarray([0.3, -2.0, 1e-4, 5.0], jnp.float32)
+  reference = optax.chain(optax.clip_by_global_norm(100.0),
+                          optax.adamw(c.learning_rate, b1=0.8, b2=0.98, eps=1e-3,
+                                      weight_decay=c.weight_decay))
+  got = np.asarray(_first_updates(c, grads, 3))
+  np.testing.assert_array_equal(got, np.asarray(_updates(reference, grads, 3)))  # bitwise
+  c.update(dict(adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8))
+  assert not np.array_equal(np.asarray(_first_updates(c, grads, 3)), got)
+
+
+def _old_schedule(c, steps, block):
+  """The schedules before schedule_steps: SFT's warmup_cosine_decay_schedule, RL's
+  lr_schedule."""
+  if block == "sft" or (c.warmup_steps > 0 and c.final_lr_frac != 1.0):
+    return optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps,
+                                              max(steps, c.warmup_steps + 1),
+                                              end_value=c.learning_rate * c.final_lr_frac)
+  if c.warmup_steps <= 0:
+    if c.final_lr_frac == 1.0:
+      return optax.constant_schedule(c.learning_rate)
+    return optax.cosine_decay_schedule(c.learning_rate, max(steps, 1), alpha=c.final_lr_frac)
+  return optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
+
+
+def _values(schedule, counts):
+  """A schedule's rates at `counts`, as the f32 the updates use (a constant one: a float)."""
+  return np.broadcast_to(np.asarray(schedule(counts), np.float32), counts.shape)
+
+
+@pytest.mark.parametrize("warmup, final", [(0, 1.0), (0, 0.05), (50, 1.0), (50, 0.05)])
+def test_sft_schedules_are_the_old_warmup_cosine_ones(warmup, final):
+  c = arith_tiny.get_config().sft
+  c.update(dict(steps=300, warmup_steps=warmup, final_lr_frac=final))
+  counts = jnp.arange(400)
+  np.testing.assert_array_equal(_values(lr_schedule(c, c.steps), counts),
+                                _values(_old_schedule(c, c.steps, "sft"), counts))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_existing_configs_keep_their_schedules_and_optimizers(name, monkeypatch):
+  made = []
+  monkeypatch.setattr(learner, "make_optimizer", lambda lr, **kw: made.append((lr, kw)))
+  configs = [_load(name)] + ([_load(name, "tiny")] if name.startswith("qwen3") else [])
+  for config, block in [(cf, b) for cf in configs for b in ("sft", "rl") if b in cf]:
+    c = config[block]
+    block_optimizer(c)
+    schedule, kwargs = made.pop()
+    counts = jnp.arange(c.steps + 100)
+    np.testing.assert_array_equal(_values(schedule, counts),
+                                  _values(_old_schedule(c, c.steps, block), counts))
+    clip_b2 = (c.clip_norm, c.adam_b2) if block == "rl" else (1.0, 0.999)
+    assert kwargs == dict(weight_decay=c.weight_decay, clip_norm=clip_b2[0], b1=0.9,
+                          b2=clip_b2[1], eps=1e-8, skip_empty=False)

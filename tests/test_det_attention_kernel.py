@@ -41,7 +41,9 @@ Lowering at Qwen3-30B-A3B attention shapes (H = 32, Hkv = 4, D = 128, page 16; a
 decode, bf16): the Mosaic lowering (a `tpu_custom_call`; its body decoded and checked:
 grid, two scalar-prefetch operands, the K block's index map reading the page table from
 SMEM, `tpu.matmul`) and the Triton lowering (`__gpu$xla.gpu.triton`) both run on this
-CPU-only jaxlib. Neither is compiled or run on a device here.
+CPU-only jaxlib. libtpu's compiler (Mosaic) compiles both TPU kernels for one v5p chip from
+this CPU (tests/mosaic.py), also as the model calls them: the decode step over all layers'
+raw-bit pools, the training forward with its backward. Neither path is run on a device here.
 """
 
 import functools
@@ -60,8 +62,9 @@ from pallas_kernels import det_attention as det_attention_lib  # noqa: E402
 from pallas_kernels.det_attention import det_attention, det_paged_attention  # noqa: E402
 from rljax import block_attention  # noqa: E402
 from rljax.block_attention import attend  # noqa: E402
-from rljax.model.attention import attend_paged, raw_dtype  # noqa: E402
-from tests.mosaic import mosaic_body  # noqa: E402
+from rljax.model.attention import (attend_det_kernel, attend_paged,  # noqa: E402
+                                  attend_paged_det_kernel, raw_dtype)
+from tests.mosaic import compile_for_tpu, mosaic_body  # noqa: E402
 
 H, HKV, D, P = 4, 2, 128, 16
 SCALE = D ** -0.5
@@ -263,16 +266,20 @@ QWEN_DECODE = (jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16),
                jax.ShapeDtypeStruct((64, 1), jnp.int32))
 
 
-def _lower(platform: str, which: str, **kw) -> str:
+def _kernel_call(platform: str, which: str, **kw):
+  """(kernel function, its Qwen3-30B-A3B-shaped args) for `platform`."""
   backend = "tpu" if platform == "tpu" else "gpu"
   if which == "train":
     def fn(q, k, v, qi, qs, ks):
       return det_attention(q, k, v, qi, q_segments=qs, kv_segments=ks, page_size=16,
                            scale=128 ** -0.5, backend=backend, **kw)
-    args = QWEN_TRAIN
-  else:
-    fn = functools.partial(det_paged_attention, scale=128 ** -0.5, backend=backend, **kw)
-    args = QWEN_DECODE
+    return fn, QWEN_TRAIN
+  return functools.partial(det_paged_attention, scale=128 ** -0.5, backend=backend,
+                           **kw), QWEN_DECODE
+
+
+def _lower(platform: str, which: str, **kw) -> str:
+  fn, args = _kernel_call(platform, which, **kw)
   return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -295,6 +302,46 @@ def test_lowers_for_tpu_at_qwen3_shapes(which, grid, smem, pages):
   assert "tpu.matmul" in body and "vector<8x128xbf16>, vector<16x128xbf16>" in body
   # f32 dot operands (the interpret-mode default) lower too
   assert "tpu_custom_call" in _lower("tpu", which, dot_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("which", ["train", "decode"])
+def test_compiles_for_tpu_at_qwen3_shapes(which):
+  """Mosaic compiles both kernels (their block shapes are legal), for one chip."""
+  fn, args = _kernel_call("tpu", which)
+  assert "det_attention_tpu" in compile_for_tpu(fn, *args).as_text()
+
+
+def test_the_models_decode_call_compiles_for_tpu_at_qwen3_shapes():
+  """`attend_paged_det_kernel` as a decode step calls it: one layer (traced index) of all
+  48 layers' pools, kept as raw bits, read by the kernel."""
+  q, k_pool, _, table, positions = QWEN_DECODE
+  pools = jax.ShapeDtypeStruct((48, *k_pool.shape), raw_dtype(jnp.bfloat16))
+
+  def step(q, k_pool, v_pool, table, positions, layer):
+    return attend_paged_det_kernel(q, k_pool, v_pool, table, positions, layer=layer,
+                                   dtype=jnp.bfloat16, scale=128 ** -0.5, kernel="pallas_tpu")
+
+  compiled = compile_for_tpu(step, q, pools, pools, table, positions,
+                             jax.ShapeDtypeStruct((), jnp.int32))
+  assert "det_attention_tpu" in compiled.as_text()
+
+
+def test_the_training_call_and_its_backward_compile_for_tpu():
+  """`attend_det_kernel` as the training forward calls it, with its backward (the fast
+  path's VJP), at Qwen3-30B-A3B's heads on a 512-token packed row (the kernel's blocks are
+  the 4096-token row's; a shorter row keeps the compile of the backward to seconds)."""
+  t = 512
+  q, k, v, q_index, q_segments, kv_segments = (
+      jax.ShapeDtypeStruct((a.shape[0], t, *a.shape[2:]), a.dtype) for a in QWEN_TRAIN)
+
+  def loss(q, k, v, q_index, q_segments, kv_segments):
+    out = attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, 16, 128 ** -0.5,
+                            "pallas_tpu")
+    return jnp.sum(out.astype(jnp.float32))
+
+  compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v, q_index,
+                             q_segments, kv_segments)
+  assert "det_attention_tpu" in compiled.as_text()
 
 
 @pytest.mark.parametrize("which,grid", [("decode", (64, 4, 1)), ("train", (1, 4, 2048))])

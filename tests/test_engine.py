@@ -86,10 +86,14 @@ def det_runs(tiny_cfg, tiny_params):
   reqs = _requests(tiny_cfg, 6, n=4)
   runs = {}
   shuffled = [reqs[i] for i in (3, 0, 5, 1, 4, 2)]
-  for name, slots, order, steps in (("slots8", 8, reqs, 8),
-                                    ("slots3_reversed_1step", 3, reqs[::-1], 1),
-                                    ("slots5_shuffled_3steps", 5, shuffled, 3)):
-    shape = POOL | dict(prefill_buckets=name == "slots8")
+  # the capped run's prefill program is one row of max_seq_len (its admissions here are
+  # single groups; test_a_capped_prefill_... splits admissions)
+  for name, slots, order, steps, cap in (("slots8", 8, reqs, 8, 0),
+                                         ("slots3_reversed_1step", 3, reqs[::-1], 1, 0),
+                                         ("slots5_shuffled_3steps", 5, shuffled, 3, 0),
+                                         ("slots5_capped_unbucketed", 5, shuffled, 3, 128)):
+    shape = POOL | dict(prefill_buckets=name == "slots8",
+                        max_prefill_tokens=cap)
     eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=slots, **shape,
                        eos_id=EOS, steps_per_call=steps)
     runs[name] = (eng, eng.generate(order))
@@ -108,7 +112,8 @@ def test_engine_logprobs_are_bitwise_the_trainers(tiny_cfg, tiny_params, det_run
 
 def test_tokens_do_not_depend_on_slot_or_companions(det_runs):
   base = _by_key(det_runs["slots8"][1])
-  for name in ("slots3_reversed_1step", "slots5_shuffled_3steps", "alone"):
+  for name in ("slots3_reversed_1step", "slots5_shuffled_3steps", "slots5_capped_unbucketed",
+               "alone"):
     for key, t in _by_key(det_runs[name][1]).items():
       np.testing.assert_array_equal(t.completion_ids, base[key].completion_ids, err_msg=name)
       chex.assert_trees_all_equal(t.behaviour_logprobs, base[key].behaviour_logprobs)
@@ -122,12 +127,39 @@ def test_no_recompiles_and_pages_freed(det_runs):
     prefills = sorted(k for k in eng.trace_counts if k.startswith("prefill_"))
     if eng.prefill_buckets:  # the reference run's admissions came in several shapes
       assert len(prefills) > 1, prefills
-    else:  # one shape: num_slots rows x max_seq_len
-      assert prefills == [f"prefill_{eng.num_slots}x128"], (name, prefills)
+    else:  # one shape: num_slots rows (or what the cap leaves of them) x max_seq_len
+      assert prefills == [f"prefill_{eng.prefill_rows}x128"], (name, prefills)
+    for key in prefills:
+      rows, width = map(int, key.removeprefix("prefill_").split("x"))
+      assert rows * width <= eng.max_prefill_tokens, (name, key)
     assert eng.pool.used_count == 0 and eng.idle, name
     assert eng.max_waste_pages < 1.0
     assert _executables(eng) == sum(eng.trace_counts.values()), name
   assert len(det_runs["slots3_reversed_1step"][1]) == 24  # 6 groups x 4 through 3 slots
+
+
+def test_a_capped_prefill_splits_into_calls_and_changes_no_bit(tiny_cfg, tiny_params):
+  """max_prefill_tokens=128: four 40-token prompts admitted together are prefilled two rows
+  of 64 at a time (buckets) or one row of 128 at a time (no buckets); tokens and log-probs
+  are the uncapped engine's, bit for bit (deterministic numerics)."""
+  rng = np.random.default_rng(5)
+  reqs = [Request(i, rng.integers(1, tiny_cfg.vocab_size, size=40),
+                  sampling=SamplingParams(max_new_tokens=6)) for i in range(4)]
+  base = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8,
+                      **POOL | dict(prefill_buckets=True))
+  expected = _by_key(base.generate(reqs))
+  assert base.stats["prefill_calls"] == 1
+  for buckets, calls, program in ((True, 2, "prefill_2x64"), (False, 4, "prefill_1x128")):
+    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8,
+                       **POOL | dict(prefill_buckets=buckets, max_prefill_tokens=128))
+    got = _by_key(eng.generate(reqs))
+    assert eng.stats["prefill_calls"] == calls and program in eng.trace_counts, eng.trace_counts
+    for key, t in expected.items():
+      np.testing.assert_array_equal(got[key].completion_ids, t.completion_ids)
+      chex.assert_trees_all_equal(got[key].behaviour_logprobs, t.behaviour_logprobs)
+  with pytest.raises(ValueError, match="less than one row of max_seq_len"):
+    DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL,
+                 max_prefill_tokens=100)
 
 
 def test_group_prefix_is_prefilled_once(tiny_cfg, tiny_params):
@@ -298,8 +330,10 @@ def _hf_initialised_tiny(tiny_cfg, tmp_path):
   return hf_import.load_hf_checkpoint(str(tmp_path), dtype="bfloat16",
                                       page_size=tiny_cfg.page_size,
                                       decode_attention=tiny_cfg.decode_attention,
+                                      det_attention=tiny_cfg.det_attention,
                                       train_experts=tiny_cfg.train_experts,
-                                      engine_experts=tiny_cfg.engine_experts)
+                                      engine_experts=tiny_cfg.engine_experts,
+                                      expert_kernel=tiny_cfg.expert_kernel)
 
 
 def test_full_batch_of_long_samples_is_bitwise_the_trainers(tiny_cfg, tmp_path):

@@ -38,8 +38,9 @@ tile a row sits at.
 Lowering at Qwen3-30B-A3B shapes (D = 2048, F = 768, E = 128, r = 32, N = 4096 * 8 / 32
 + 128 = 1152, bf16): the Mosaic lowering runs on this CPU-only jaxlib (a `tpu_custom_call`
 whose serialized Mosaic body is decoded and checked: grid, scalar prefetch, the weight
-block's index map reading tile_expert from SMEM); the Triton lowering produces the
-`__gpu$xla.gpu.triton` call. Neither is compiled or run on a device here.
+block's index map reading tile_expert from SMEM), and libtpu's compiler (Mosaic) compiles
+it for one v5p chip from this CPU (tests/mosaic.py); the Triton lowering produces the
+`__gpu$xla.gpu.triton` call (not compiled). Neither is run on a device here.
 """
 
 import functools
@@ -47,13 +48,14 @@ import re
 
 import chex
 import jax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import _default_block_f, grouped_matmul, grouped_matmul_reference
-from tests.mosaic import mosaic_body
+from tests.mosaic import compile_for_tpu, mosaic_body
 
 R, D, E, F = 16, 64, 4, 256
 N_MAX = 40
@@ -236,6 +238,29 @@ def test_lowers_for_tpu_at_qwen3_shapes():
                          re.S).group(0)
   assert "memref.load" in weight_map  # its block index is read from tile_expert (SMEM)
   assert "tpu.matmul" in body
+
+
+def test_compiles_for_tpu_at_qwen3_shapes():
+  """Mosaic compiles the kernel (its block shapes are legal), for one chip."""
+  compiled = compile_for_tpu(functools.partial(grouped_matmul, backend="tpu"), *QWEN_ARGS)
+  assert "grouped_matmul_tpu" in compiled.as_text()
+
+
+def test_the_tpu_compile_refuses_what_lowering_lets_through():
+  """What only compiling checks (tests/mosaic.py's compile is the TPU compiler's): a copy
+  kernel's (2048, 8192) f32 blocks, 64 MiB each, lower and do not fit VMEM."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  def copy(x):
+    spec = pl.BlockSpec((2048, 8192), lambda i: (i, 0))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+                          in_specs=[spec], out_specs=spec)(x)
+
+  x = jax.ShapeDtypeStruct((4096, 8192), jnp.float32)
+  assert "tpu_custom_call" in jax.jit(copy).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  with pytest.raises(Exception, match="vmem"):
+    compile_for_tpu(copy, x)
 
 
 @pytest.mark.parametrize("kw", [{}, dict(block_k=64)])

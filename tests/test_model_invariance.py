@@ -173,6 +173,22 @@ def test_target_logprob_graph_equals_logits_graph(tiny_cfg, tiny_params, scale):
   chex.assert_trees_all_equal(lp, manual)
 
 
+def test_logits_at_one_position_are_that_positions_bits(tiny_cfg, tiny_params):
+  """forward(logits_at=...) (the engine's prefill: the head on one position per row) gives,
+  in deterministic numerics, the bits of the full forward's logits at those positions."""
+  seqs = _sequences(3, [57, 18, 12], tiny_cfg.vocab_size, seed=11)
+  p = pack(seqs, 64, tiny_cfg.page_size)  # two rows
+  at = jnp.asarray([56, 40], jnp.int32)
+  kwargs = dict(cfg=tiny_cfg, numerics=DET, segment_ids=p.segment_ids)
+  run = jax.jit(lambda prm, at: forward(prm, p.tokens, p.positions, logits_at=at,
+                                        **kwargs).logits)
+  full = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, **kwargs).logits)(tiny_params)
+  picked = run(tiny_params, at)
+  assert picked.shape == (p.tokens.shape[0], 1, tiny_cfg.vocab_size)
+  chex.assert_trees_all_equal(picked[:, 0], jnp.take_along_axis(full, at[:, None, None],
+                                                                axis=1)[:, 0])
+
+
 @pytest.mark.parametrize("numerics", [DET, FAST], ids=["det", "fast"])
 def test_entropy_is_the_softmax_entropy_and_leaves_the_logprobs_bitwise(tiny_cfg, tiny_params,
                                                                         numerics):

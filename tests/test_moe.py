@@ -17,6 +17,7 @@ from configs import qwen3_30b_a3b, tiny_moe
 from rljax import aot
 from rljax.model import ModelConfig, forward, init_params, moe
 from rljax.numerics import Numerics
+from tests.mosaic import compile_for_tpu
 from tests.shapes import TINY
 
 FAST = Numerics("fast")
@@ -118,7 +119,7 @@ def test_deterministic_routed_tiles_cost_the_routed_flops():
   t, d, e, f, k, tile = 512, 64, 32, 32, 2, 32
   cfg = ModelConfig.from_dict(dict(tiny_moe.get_config().model, hidden_size=d, num_experts=e,
                                    moe_intermediate_size=f, num_experts_per_tok=k,
-                                   expert_row_tile=tile))
+                                   expert_row_tile=tile)).resolved("cpu", DET)
   routed = aot.routed_expert_flops(cfg, t)
   assert routed == 2 * t * k * 3 * d * f  # gate, up, down per routed slot
   n_tiles = -(-t * k // tile) + e
@@ -221,6 +222,27 @@ def test_a_qwen3_30b_a3b_moe_layer_lowers_with_the_pallas_kernel(platform, kerne
   assert text.count(call) == 2
   n_tiles = 4096 * cfg.num_experts_per_tok // cfg.expert_row_tile + e
   assert f"tensor<{n_tiles}x{d}x{f}x" not in text and f"tensor<{n_tiles}x{f}x{d}x" not in text
+
+
+def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_widths():
+  # the training path's routed tiles on the TPU kernel, forward and written-out backward
+  # (jnp dots), compiled for one TPU chip by libtpu's compiler: Qwen3-30B-A3B's experts
+  # (D 2048, 128 x F 768, top-8, row tile 32) on 512 tokens, the kernel's blocks those of
+  # 4,096 (the backward's compile grows with the tokens: 1,024 took 20-30 s)
+  cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
+  d, e, f, k = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                cfg.num_experts_per_tok)
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+
+  def loss(x, gate, up, down, ids):
+    y = moe.experts_local(x, ids, gate, up, down, 0, DET, "tiled", cfg.expert_row_tile,
+                          "pallas_tpu")
+    return jnp.sum(y.astype(jnp.float32))
+
+  compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), sds(512, d),
+                             sds(d, e, f), sds(d, e, f), sds(e, f, d),
+                             jax.ShapeDtypeStruct((512, k), jnp.int32))
+  assert "grouped_matmul_tpu" in compiled.as_text()
 
 
 def test_the_model_runs_its_tiles_on_the_configured_kernel():

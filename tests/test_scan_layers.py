@@ -126,26 +126,32 @@ def test_uniform_model_lowers_to_one_scan_whatever_its_depth(tiny_cfg):
 
 
 def test_forward_refuses_an_unresolved_config(tiny_cfg):
-  raw = dataclasses.replace(tiny_cfg, decode_attention="auto")
   params = init_params(tiny_cfg, jax.random.key(0))
   tokens = jnp.zeros((1, 16), jnp.int32)
-  with pytest.raises(ValueError, match="resolved"):
-    forward(params, tokens, tokens, cfg=raw)
+  for field in ("decode_attention", "det_attention", "expert_kernel"):
+    raw = dataclasses.replace(tiny_cfg, **{field: "auto"})
+    with pytest.raises(ValueError, match=f"{field} is 'auto'"):
+      forward(params, tokens, tokens, cfg=raw)
 
 
-@pytest.mark.parametrize("backend,numerics,attention,train_experts,engine_experts", [
-    ("cpu", "fast", "reference", "tiled", "dense"),
-    ("cpu", "deterministic", "reference", "tiled", "tiled"),
-    ("gpu", "fast", "pallas", "ragged", "ragged"),
-    ("cuda", "deterministic", "reference", "tiled", "tiled"),
-    ("tpu", "fast", "reference", "ragged", "ragged")])
+@pytest.mark.parametrize("backend,numerics,attention,train_experts,engine_experts,kernels", [
+    ("cpu", "fast", "reference", "tiled", "dense", "jnp"),
+    ("cpu", "deterministic", "reference", "tiled", "tiled", "jnp"),
+    ("gpu", "fast", "pallas", "ragged", "ragged", "jnp"),
+    ("cuda", "deterministic", "reference", "tiled", "tiled", "jnp"),
+    ("tpu", "fast", "reference", "ragged", "ragged", "jnp"),
+    ("tpu", "deterministic", "reference", "tiled", "tiled", "pallas_tpu")])
 def test_resolved_makes_todays_choices(backend, numerics, attention, train_experts,
-                                       engine_experts):
+                                       engine_experts, kernels):
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
   assert (cfg.decode_attention, cfg.train_experts, cfg.engine_experts) == (
       attention, train_experts, engine_experts)
+  assert cfg.det_attention == cfg.expert_kernel == kernels  # the kernels: det mode on TPU
+  sharded = ModelConfig(**TINY).resolved(backend, numerics, devices=8)
+  assert sharded.det_attention == sharded.expert_kernel == "jnp"  # one device's kernels
   kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="tiled",
-                     engine_experts="ragged", dtype="float32")
+                     engine_experts="ragged", dtype="float32", det_attention="jnp",
+                     expert_kernel="pallas_interpret")
   assert kept.resolved(backend, numerics) == kept
   # deterministic: the dense path's bits are not the tiles', so both forwards or neither
   mixed = ModelConfig(**TINY, train_experts="dense", engine_experts="ragged")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed
@@ -59,13 +60,19 @@ class DecodeEngine:
                eos_id: int | None = None, version: int = 0,
                weight_update: WeightUpdatePolicy = "keep",
                sharding: sharding_lib.Sharding | None = None, steps_per_call: int = 8,
-               max_stop_tokens: int = 4, prefill_buckets: bool = True):
+               max_stop_tokens: int = 4, prefill_buckets: bool = True,
+               max_prefill_tokens: int = 0):
     """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
     most num_slots rows, max_seq_len tokens): least padding, one program per (rows, width)
     bucket, up to (log2 num_slots + 1) x (log2 pages per sequence + 1) compiles. False:
     every prefill call is num_slots rows x max_seq_len tokens, one program, for runs whose
     cost is compiling (CPU, tests, short contexts). The tokens and log-probs are the same
-    either way in deterministic numerics (batch invariance, tested)."""
+    either way in deterministic numerics (batch invariance, tested).
+    `max_prefill_tokens` (0: num_slots x max_seq_len, no limit): the most tokens (rows x
+    width, padding included) one prefill call may take; more admitted work is prefilled in
+    several calls. What a prefill holds grows with its tokens (Qwen3-235B-A22B's 64 x 4,096
+    needs 109 GB of temporaries a chip on a 16-chip v5p host); at least one row of
+    max_seq_len."""
     if weight_update not in ("keep", "recompute"):
       raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
     if steps_per_call < 1 or max_stop_tokens < 0:
@@ -79,6 +86,13 @@ class DecodeEngine:
     self.steps_per_call, self.max_stop_tokens = steps_per_call, max_stop_tokens
     self.prefill_buckets = prefill_buckets
     self.max_blocks = pages_for(max_seq_len, self.page_size)
+    full_width = self.max_blocks * self.page_size
+    self.max_prefill_tokens = max_prefill_tokens or num_slots * full_width
+    if self.max_prefill_tokens < full_width:
+      raise ValueError(f"max_prefill_tokens={max_prefill_tokens} is less than one row of "
+                       f"max_seq_len ({full_width} tokens)")
+    # rows of a call whatever its width (every call's, without buckets)
+    self.prefill_rows = min(num_slots, self.max_prefill_tokens // full_width)
     num_pages = num_pages or 1 + num_slots * self.max_blocks
     if sharding is not None:
       check_slots(sharding, numerics, num_slots)
@@ -202,17 +216,36 @@ class DecodeEngine:
     return finished
 
   def _prefill(self, items: list[Prefill]):
-    """Feeds each seq's tokens[lo:hi] at positions lo..hi-1 into its pages, all sequences
-    in one call (rows and width padded: `prefill_buckets`); returns logits [num_slots, V]
-    whose row i follows the last fed token of items[i]. At most num_slots items, none empty."""
+    """Feeds each seq's tokens[lo:hi] at positions lo..hi-1 into its pages, in as few calls
+    as `max_prefill_tokens` allows (rows and width padded: `prefill_buckets`); returns
+    logits [num_slots, V] whose row i follows the last fed token of items[i]. At most
+    num_slots items, none empty."""
     if not 0 < len(items) <= self.num_slots or any(hi <= lo for _, lo, hi in items):
       raise AssertionError("prefill takes 1..num_slots non-empty token ranges")
+    calls = [[]]
+    for item in items:
+      rows, width = self._prefill_shape(calls[-1] + [item])
+      if calls[-1] and (len(calls[-1]) == rows or rows * width > self.max_prefill_tokens):
+        calls.append([])
+      calls[-1].append(item)
+    if len(calls) == 1:
+      return self._prefill_call(items)
+    # each call's rows in order, on device (where the sampler's program takes them)
+    logits = jnp.concatenate([self._prefill_call(c)[:len(c)] for c in calls])
+    return jnp.pad(logits, ((0, self.num_slots - len(items)), (0, 0)))
+
+  def _prefill_shape(self, items: list[Prefill]) -> tuple[int, int]:
+    """(rows, width) of one prefill call of `items`."""
+    if not self.prefill_buckets:
+      return self.prefill_rows, self.max_blocks * self.page_size
+    pages = pages_for(max(hi - lo for _, lo, hi in items), self.page_size)
+    width = self.page_size * (1 << max(0, (pages - 1).bit_length()))
+    return min(1 << (len(items) - 1).bit_length(), self.num_slots), width
+
+  def _prefill_call(self, items: list[Prefill]):
+    """One prefill program call of `items` (fitting its shape); logits [num_slots, V]."""
     self._copy_pages(self.scheduler.prefill_pages(items))
-    rows, width = self.num_slots, self.max_blocks * self.page_size
-    if self.prefill_buckets:
-      pages = pages_for(max(hi - lo for _, lo, hi in items), self.page_size)
-      width = self.page_size * (1 << max(0, (pages - 1).bit_length()))
-      rows = min(1 << (len(items) - 1).bit_length(), self.num_slots)
+    rows, width = self._prefill_shape(items)
     tokens = np.zeros((rows, width), np.int32)
     positions = np.full((rows, width), -1, np.int32)
     table = np.zeros((rows, self.max_blocks), np.int32)
@@ -224,6 +257,7 @@ class DecodeEngine:
       last[i] = hi - lo - 1
     logits, routing, self.pools = self.programs.prefill(self.params, self.pools, tokens,
                                                         positions, table, last)
+    self.stats["prefill_calls"] += 1
     self.scheduler.record_prefill(items, np.asarray(routing))
     return logits
 

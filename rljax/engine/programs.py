@@ -92,8 +92,8 @@ def prefill(params, pools: Pools, tokens, positions, table, last, *, cfg: ModelC
   num_slots, the first-token sampler's fixed width; routing [B, W, M, K]; pools).
   """
   out = forward(params, tokens, positions, cfg=cfg, numerics=numerics,
-                kv=PagedKV(*pools, table), sharding=sharding)
-  logits = jnp.take_along_axis(out.logits, last[:, None, None], axis=1)[:, 0]
+                kv=PagedKV(*pools, table), logits_at=last, sharding=sharding)
+  logits = out.logits[:, 0]
   logits = jnp.pad(logits, ((0, num_slots - tokens.shape[0]), (0, 0)))
   routing = out.routing if out.routing is not None else jnp.zeros(tokens.shape + (0, 0))
   return logits, routing, (out.kv.k, out.kv.v)
@@ -210,22 +210,38 @@ class EnginePrograms:
       return self._reshard(params)
     return jax.device_put(params, param_shardings(self.cfg, self.sharding))
 
+  def _abstract(self, num_pages: int) -> tuple:
+    """(params, (pool, pool), sds) as ShapeDtypeStructs with the programs' shardings, and
+    `sds(shape, dtype)`: a replicated one."""
+    sh = self.sharding
+    params = abstract_params(self.cfg)
+    if sh is not None:
+      params = jax.tree.map(
+          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+          param_shardings(self.cfg, sh))
+    pool = jax.ShapeDtypeStruct(self.pool_shape(num_pages), raw_dtype(self.cfg.compute_dtype),
+                                sharding=self.kv_sharding)
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.dtype(dtype), sharding=self._replicated)
+    return params, (pool, pool), sds
+
   def decode_args(self, num_pages: int) -> tuple:
     """`decode`'s arguments as ShapeDtypeStructs (with their shardings when the programs
     have one; the mesh may be abstract): lower it with `decode.trace(*args).lower(...)`."""
-    sh = self.sharding
-
-    def sds(shape, dtype, sharding):
-      return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
-
-    params = abstract_params(self.cfg)
-    if sh is not None:
-      params = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, s), params,
-                            param_shardings(self.cfg, sh))
-    pool = sds(self.pool_shape(num_pages), raw_dtype(self.cfg.compute_dtype), self.kv_sharding)
-    rep, i32 = self._replicated, jnp.int32
-    slots = lambda dtype, *extra: sds((self.num_slots, *extra), dtype, rep)  # noqa: E731
-    return (params, (pool, pool), slots(i32), slots(i32), slots(i32),
+    params, pools, sds = self._abstract(num_pages)
+    i32 = jnp.int32
+    slots = lambda dtype, *extra: sds((self.num_slots, *extra), dtype)  # noqa: E731
+    return (params, pools, slots(i32), slots(i32), slots(i32),
             slots(i32, self.max_blocks), tuple(slots(i32) for _ in range(4)),
             slots(jnp.float32), slots(i32), slots(jnp.float32),
             slots(i32, self.max_stop_tokens + 1))
+
+  def prefill_args(self, num_pages: int, rows: int, width: int) -> tuple:
+    """`prefill`'s arguments for a call of `rows` x `width` tokens, like `decode_args`."""
+    if not (0 < rows <= self.num_slots and 0 < width <= self.max_blocks * self.cfg.page_size):
+      raise ValueError(f"a prefill of {rows} x {width} tokens: the engine takes 1..{self.num_slots}"
+                       f" rows of 1..{self.max_blocks * self.cfg.page_size} tokens")
+    params, pools, sds = self._abstract(num_pages)
+    i32 = jnp.int32
+    return (params, pools, sds((rows, width), i32), sds((rows, width), i32),
+            sds((rows, self.max_blocks), i32), sds((rows,), i32))

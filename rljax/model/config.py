@@ -8,10 +8,12 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-_AUTO_FIELDS = ("decode_attention", "train_experts", "engine_experts", "dtype")
+_AUTO_FIELDS = ("decode_attention", "det_attention", "train_experts", "engine_experts",
+                "expert_kernel", "dtype")
 _EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
 # what runs the expert tiles (`expert_kernel`) and deterministic attention (`det_attention`)
 KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+_KERNEL_CHOICES = ("auto",) + KERNELS
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,9 +59,13 @@ class ModelConfig:
   decode_attention: str = "auto"
   # Deterministic numerics' attention, in the training forward, prefill and decode alike:
   # "jnp" (rljax.block_attention: what CPUs run), "pallas_tpu" / "pallas_gpu"
-  # (pallas_kernels.det_attention, the same tiling; one device, not yet run on one, so
-  # opt-in), "pallas_interpret" (the GPU kernel interpreted on CPU: the jnp bits, tests).
-  det_attention: str = "jnp"
+  # (pallas_kernels.det_attention, the same tiling; one device), "pallas_interpret" (the
+  # GPU kernel interpreted on CPU: the jnp bits, tests). "auto" = "pallas_tpu" on TPU in
+  # deterministic mode on one device (Mosaic compiles both kernels, packed row and paged
+  # decode, at Qwen3-30B-A3B's shapes, and interpreted they give the jnp path's bits:
+  # tested; a sharded program cannot hold them yet), else "jnp" (fast mode never uses a
+  # kernel here; on GPU "pallas_gpu" stays opt-in).
+  det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
   # one batched dot) or "dense" (every expert for every token). XLA:CPU expands
@@ -77,9 +83,12 @@ class ModelConfig:
   expert_row_tile: int = 32
   # What multiplies the routed tiles (rljax.model.moe.tile_matmul): "jnp" (one batched
   # dot; what CPUs run), "pallas_tpu" / "pallas_gpu" (pallas_kernels.grouped_matmul:
-  # weights read in place by each tile's expert; not yet run on a device, so opt-in),
-  # "pallas_interpret" (the TPU kernel interpreted on CPU: the jnp kernel's bits, tests).
-  expert_kernel: str = "jnp"
+  # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
+  # interpreted on CPU: the jnp kernel's bits, tests). "auto" = "pallas_tpu" on TPU in
+  # deterministic mode on one device (compiled by Mosaic at Qwen3-30B-A3B's shapes,
+  # interpreted it gives the jnp kernel's bits: tested), else "jnp" (fast mode's "tiled"
+  # keeps the jnp kernel; on GPU "pallas_gpu" stays opt-in).
+  expert_kernel: str = "auto"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
   # faster (bf16 dots are emulated; measured in experiments/bench_numerics.py).
@@ -104,12 +113,10 @@ class ModelConfig:
       if getattr(self, name) not in _EXPERT_PATHS:
         raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
                          f"{_EXPERT_PATHS}")
-    if self.det_attention not in KERNELS:
-      raise ValueError(f"unknown det_attention {self.det_attention!r}; expected one of "
-                       f"{KERNELS}")
-    if self.expert_kernel not in KERNELS:
-      raise ValueError(f"unknown expert_kernel {self.expert_kernel!r}; expected one of "
-                       f"{KERNELS}")
+    for name in ("det_attention", "expert_kernel"):
+      if getattr(self, name) not in _KERNEL_CHOICES:
+        raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of "
+                         f"{_KERNEL_CHOICES}")
     if self.expert_row_tile < 1:
       raise ValueError(f"expert_row_tile must be >= 1, got {self.expert_row_tile}")
     if self.dense_layers() and self.intermediate_size <= 0:
@@ -126,10 +133,12 @@ class ModelConfig:
       d["mlp_only_layers"] = tuple(int(i) for i in d["mlp_only_layers"])
     return cls(**d)
 
-  def resolved(self, backend: str, numerics: str | Any) -> "ModelConfig":
+  def resolved(self, backend: str, numerics: str | Any, devices: int = 1) -> "ModelConfig":
     """This config with every "auto" backend choice made for `backend` ("cpu", "gpu" (or
     "cuda", "rocm"), "tpu": `jax.default_backend()`, or the platform an AOT check lowers
-    for) and `numerics` (a mode name or a `Numerics`). Concrete choices are kept."""
+    for), `numerics` (a mode name or a `Numerics`) and `devices`: how many devices the
+    model's programs are partitioned over (the run's largest mesh). Concrete choices are
+    kept."""
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
     if platform not in ("cpu", "gpu", "tpu"):
       raise ValueError(f"unknown backend {backend!r}; expected cpu, gpu (cuda, rocm) or tpu")
@@ -143,6 +152,12 @@ class ModelConfig:
       # the training forward's
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
     deterministic = mode == "deterministic"
+    # the kernels are one device's: XLA cannot partition a Mosaic call (a sharded program
+    # that holds one fails to lower)
+    kernels = platform == "tpu" and deterministic and devices == 1
+    for name in ("det_attention", "expert_kernel"):
+      if getattr(self, name) == "auto":
+        choices[name] = "pallas_tpu" if kernels else "jnp"
     if self.train_experts == "auto":
       choices["train_experts"] = "tiled" if platform == "cpu" or deterministic else "ragged"
     if self.engine_experts == "auto":

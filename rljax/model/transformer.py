@@ -162,6 +162,7 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
             segment_ids: jax.Array | None = None, kv: attention.PagedKV | None = None,
             routing: jax.Array | None = None, targets: jax.Array | None = None,
             temperature: float = 1.0, entropy: bool = False,
+            logits_at: jax.Array | None = None,
             sharding: sharding_lib.Sharding | None = None) -> ForwardOutput:
   """The model, for every caller.
 
@@ -180,6 +181,11 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   (`ForwardOutput.entropy`, f32), from the same f32 log-softmax the log-probs are taken
   from (the numerics' exp and sum): one more elementwise pass over [B, T, V], and the
   log-probs' bits do not change (tested bitwise).
+  logits_at: [B] int32, one column per row: only those positions go through the final norm
+  and the head (logits [B, 1, V]; a prefill needs its last token's: the head over every
+  position of 64 rows x 4,096 tokens of a 152k vocabulary would be 160 GB of f32). Each
+  position's norm and row of the head are computed alone, so deterministic numerics gives
+  the bits the whole row's logits have there, on a mesh too (tested).
   """
   cfg.check_resolved()
   dt = cfg.compute_dtype
@@ -196,10 +202,18 @@ def forward(params: dict[str, Any], tokens: jax.Array, positions: jax.Array, *,
   x, pools, routes = layers_fn(params["layers"], x, cos, sin, pools,
                                None if kv is None else kv.page_table, routing, ctx)
 
+  if logits_at is not None:
+    # deterministic numerics: a whole row tile per row (the position, then zeros), so on a
+    # mesh every device's head dot keeps the tile shape it has in training
+    x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+    x = jnp.pad(x, ((0, 0), (0, numerics.pad_rows(1) - 1), (0, 0)))
+    x = sharding_lib.constrain(sharding, x, ACT)
   x = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps, numerics)
   head = (params["embed"]["embedding"].T if cfg.tie_word_embeddings
           else params["lm_head"]["kernel"])
   logits = numerics.matmul(x, _weight(sharding, head, ("embed", "vocab")))
+  if logits_at is not None:
+    logits = logits[:, :1]
   logprobs = ent = None
   if targets is not None or entropy:
     logp = numerics.log_softmax(logits / temperature)

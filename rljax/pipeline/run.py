@@ -26,7 +26,12 @@ override that must agree with the checkpoint (`model_config`).
 Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive updates of
 nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
 `rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
-`eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s).
+`eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s),
+`engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s). The optimizer recipe of
+`sft` and `rl` (`block_optimizer`): `schedule_steps` (0 or None: the block's `steps`; the
+cosine decay's horizon, so a longer one leaves the rate above the final one at the run's
+end), `adam_b1` (0.9), `adam_b2` (0.999; required in `rl`), `adam_eps` (1e-8) and
+`clip_norm` (1.0; required in `rl`).
 
 Values a run would only trip over later (at its first update, evaluation or checkpoint,
 after the model is loaded) are checked here too: the advantage estimator, the loss's
@@ -41,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import typing
 from typing import Any, Iterable, Mapping
@@ -133,6 +139,10 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
   if "engine" in needs and not isinstance(config.engine.get("prefill_buckets", True), bool):
     raise ConfigError("config.engine.prefill_buckets must be True or False, got "
                       f"{config.engine.prefill_buckets!r}")
+  max_prefill = config.engine.get("max_prefill_tokens", 0) if "engine" in needs else 0
+  if isinstance(max_prefill, bool) or not isinstance(max_prefill, int) or max_prefill < 0:
+    raise ConfigError("config.engine.max_prefill_tokens must be an int >= 0 (0: no limit), "
+                      f"got {max_prefill!r}")
   if "rl" in needs:
     try:
       LossConfig(**config.rl.loss.to_dict())
@@ -160,6 +170,9 @@ def check_engine_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_
 
 def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> None:
   """Values of the needed blocks that would fail a run only after its model is loaded."""
+  for block in ("sft", "rl"):
+    if block in needs:
+      check_recipe(config[block], f"config.{block}")
   if "rl" in needs:
     rl = config.rl
     if rl.advantage not in advantages.KINDS:
@@ -205,6 +218,60 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
         raise ConfigError(f"config.async_rl.{key} must be >= 1, not {a[key]}")
     if a.max_staleness < 0:
       raise ConfigError(f"config.async_rl.max_staleness must be >= 0, not {a.max_staleness}")
+
+
+# an sft or rl block's optimizer keys that a config may leave out, with their defaults
+RECIPE_DEFAULTS = {"schedule_steps": 0, "adam_b1": 0.9, "adam_b2": 0.999, "adam_eps": 1e-8,
+                   "clip_norm": 1.0}
+
+
+def _number(value: Any) -> bool:
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def _int(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# key -> (whether a value is valid, what it must be)
+RECIPE_RULES = {
+    "warmup_steps": (lambda v: _int(v) and v >= 0,
+                     "an int >= 0 (0: the full rate from the first update)"),
+    "schedule_steps": (lambda v: v is None or (_int(v) and v >= 0),
+                       "an int >= 1 (the cosine horizon), or 0 / None (the block's steps)"),
+    "final_lr_frac": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "adam_b1": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "adam_b2": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "adam_eps": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "clip_norm": (lambda v: _number(v) and v > 0, "a number > 0"),
+}
+
+
+def check_recipe(c: ml_collections.ConfigDict, field: str) -> None:
+  """The schedule and optimizer keys of an sft or rl block (`field`: its name)."""
+  for key, (valid, rule) in RECIPE_RULES.items():
+    value = c.get(key, RECIPE_DEFAULTS.get(key))
+    if not valid(value):
+      raise ConfigError(f"{field}.{key} must be {rule}, not {value!r}")
+
+
+def recipe(c: ml_collections.ConfigDict, key: str) -> Any:
+  """An sft or rl block's `key`, or its default (RECIPE_DEFAULTS)."""
+  return c.get(key, RECIPE_DEFAULTS[key])
+
+
+def block_optimizer(c: ml_collections.ConfigDict, *, lr_factor: float = 1.0,
+                    skip_empty: bool = False) -> optax.GradientTransformation:
+  """The AdamW of an sft or rl block: `lr_schedule` over the block's steps (times
+  `lr_factor`), its clip_norm, adam_b1/b2/eps and weight_decay."""
+  schedule = base = lr_schedule(c, c.steps)
+  if lr_factor != 1.0:
+    schedule = lambda count: base(count) * lr_factor  # noqa: E731
+  return learner.make_optimizer(
+      schedule, weight_decay=c.weight_decay,
+      clip_norm=recipe(c, "clip_norm"), b1=recipe(c, "adam_b1"), b2=recipe(c, "adam_b2"),
+      eps=recipe(c, "adam_eps"), skip_empty=skip_empty)
 
 
 def signal_scaled(config: ml_collections.ConfigDict) -> bool:
@@ -432,6 +499,15 @@ def check_sft_targets(config: ml_collections.ConfigDict, env: Env) -> None:
                       "): set config.sft.steps = 0, or config.sft.load")
 
 
+def mesh_devices(config: ml_collections.ConfigDict) -> int:
+  """The devices of the run's largest mesh: config.mesh's, or a rollout host's
+  (config.engine.mesh)."""
+  meshes = [config.get("mesh")]
+  if "engine" in config:
+    meshes.append(config.engine.get("mesh"))
+  return max([1] + [math.prod(int(v) for v in m.values()) for m in meshes if m])
+
+
 def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
   """None for a 1-device mesh (plain jit); otherwise a mesh of the first devices."""
   size = math.prod(int(v) for v in mesh_shape.values())
@@ -446,15 +522,16 @@ def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
 def lr_schedule(c: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
   """Linear warmup from 0 over c.warmup_steps updates (none: the first update already has
   c.learning_rate); then constant (final_lr_frac 1) or cosine decay to learning_rate *
-  final_lr_frac at `steps`."""
+  final_lr_frac at c.schedule_steps (absent, 0 or None: `steps`), constant after it."""
+  horizon = c.get("schedule_steps") or steps
   if c.warmup_steps <= 0:
     if c.final_lr_frac == 1.0:
       return optax.constant_schedule(c.learning_rate)
-    return optax.cosine_decay_schedule(c.learning_rate, max(steps, 1), alpha=c.final_lr_frac)
+    return optax.cosine_decay_schedule(c.learning_rate, max(horizon, 1), alpha=c.final_lr_frac)
   if c.final_lr_frac == 1.0:
     return optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
   return optax.warmup_cosine_decay_schedule(
-      0.0, c.learning_rate, c.warmup_steps, max(steps, c.warmup_steps + 1),
+      0.0, c.learning_rate, c.warmup_steps, max(horizon, c.warmup_steps + 1),
       end_value=c.learning_rate * c.final_lr_frac)
 
 
@@ -491,7 +568,8 @@ class Built:
                         max_seq_len=e.max_seq_len, eos_id=self.env.tokenizer.eos_id,
                         version=version, weight_update=weight_update, sharding=sharding,
                         max_stop_tokens=max(4, extra_stops),
-                        prefill_buckets=bool(e.get("prefill_buckets", True)))
+                        prefill_buckets=bool(e.get("prefill_buckets", True)),
+                        max_prefill_tokens=int(e.get("max_prefill_tokens", 0)))
 
   def engine_sharding(self) -> sharding_lib.Sharding | None:
     """A rollout host's mesh: `config.engine.mesh` (axis sizes; none or 1 device: no mesh)
@@ -525,10 +603,7 @@ class Built:
     return dataclasses.replace(self.sharding, rules=sharding_lib.DECODE_RULES)
 
   def rl_optimizer(self) -> optax.GradientTransformation:
-    c = self.config.rl
-    return learner.make_optimizer(lr_schedule(c, c.steps), weight_decay=c.weight_decay,
-                                  clip_norm=c.clip_norm, b2=c.adam_b2,
-                                  skip_empty=signal_scaled(self.config))
+    return block_optimizer(self.config.rl, skip_empty=signal_scaled(self.config))
 
   def grpo_step(self, optimizer: optax.GradientTransformation,
                 state_sharding: learner.TrainState | None = None,
@@ -559,7 +634,8 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
     raise
   except (TypeError, ValueError, OSError) as e:
     raise ConfigError(f"config.model / config.init_from / config.numerics: {e}") from None
-  cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)  # every "auto", once
+  # every "auto", once
+  cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode, mesh_devices(config))
   check_shapes(config, needs, cfg)
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   if sharding is not None and "engine" in needs:  # evaluations run an engine on this mesh

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from rljax.checkpoint import Checkpointer
 from rljax.envs.base import Env, Task
 from rljax.pipeline.core import Run, params_only, task_stream
 from rljax.pipeline.evaluate import greedy_groups, success_rate
+from rljax.pipeline.run import block_optimizer
 from rljax.rl import learner
 from rljax.rl.batch import build_batch, split_microbatches
 from rljax.rl.trajectory import FinishReason, Trajectory
@@ -46,14 +46,10 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
   The held-out split is never looked at here.
   """
   c = run.config.sft
-  schedule = optax.warmup_cosine_decay_schedule(0.0, c.learning_rate, c.warmup_steps,
-                                                max(c.steps, c.warmup_steps + 1),
-                                                end_value=c.learning_rate * c.final_lr_frac)
 
   def make_step(lr_factor: float):
     # the optimizer state does not depend on the schedule: a slower step continues it
-    optimizer = learner.make_optimizer(lambda count: schedule(count) * lr_factor,
-                                       weight_decay=c.weight_decay)
+    optimizer = block_optimizer(c, lr_factor=lr_factor)
     return optimizer, learner.make_sft_step(run.cfg, optimizer, numerics=run.numerics,
                                             sharding=run.sharding)
 

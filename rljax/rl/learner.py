@@ -46,7 +46,7 @@ class TrainState:
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
                    clip_norm: float = 1.0, b1: float = 0.9, b2: float = 0.999,
-                   skip_empty: bool = False) -> optax.GradientTransformation:
+                   eps: float = 1e-8, skip_empty: bool = False) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW. `skip_empty`: a step whose gradient is exactly zero
   (a GRPO batch in which no sample has an advantage) moves nothing: Adam's moments and
   count stay as they were, while the learning-rate schedule still advances with the step.
@@ -54,7 +54,7 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
   signal (and its second moment, decaying towards zero, would make the next signal's step
   larger): from a sharp start, where most batches tie, a single sample's gradient then
   moves every parameter by several learning rates (experiments/study_vs_trl.py)."""
-  direction = optax.chain(optax.scale_by_adam(b1=b1, b2=b2),
+  direction = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
                           optax.add_decayed_weights(weight_decay))
   if skip_empty:
     direction = _skip_without_gradient(direction)
