@@ -431,3 +431,83 @@ def test_existing_configs_keep_their_schedules_and_optimizers(name, monkeypatch)
     clip_b2 = (c.clip_norm, c.adam_b2) if block == "rl" else (1.0, 0.999)
     assert kwargs == dict(weight_decay=c.weight_decay, clip_norm=clip_b2[0], b1=0.9,
                           b2=clip_b2[1], eps=1e-8, skip_empty=False)
+
+
+# ------------------------------------------------------------- an env's own tokenizer
+OWN = "tests.own_tokenizer_env"
+
+
+def _env_config(name: str, **kwargs) -> ml_collections.ConfigDict:
+  config = arith_tiny.get_config()  # model vocab_size 64; the char tokenizer has 55 ids
+  config.env.name = f"{OWN}:{name}"
+  config.env.kwargs.update(kwargs)
+  return config
+
+
+def test_an_env_with_its_own_tokenizer_builds_without_a_tokenizer_block():
+  from tests import own_tokenizer_env  # pylint: disable=import-outside-toplevel
+  env = build(_env_config("own"), ("model", "env"), devices=False).env
+  assert isinstance(env.tokenizer, own_tokenizer_env.WideCharTokenizer)
+  assert env.tokenizer.vocab_size == 59 and env.stop_ids == (2,)
+  # kind "env": a factory that takes no tokenizer= and does not declare it
+  config = _env_config("undeclared", extra_ids=9)
+  config.tokenizer = ml_collections.ConfigDict(dict(kind="env"))
+  env = build(config, ("model", "env"), devices=False).env
+  assert isinstance(env.tokenizer, own_tokenizer_env.WideCharTokenizer)
+  assert env.tokenizer.vocab_size == 64
+  # a registered env with kind "env": its own default, the char tokenizer
+  config = arith_tiny.get_config()
+  config.tokenizer = ml_collections.ConfigDict(dict(kind="env"))
+  assert build(config, ("model", "env"), devices=False).env.tokenizer.vocab_size == 55
+
+
+def test_export_asks_for_the_tokenizer_of_an_env_that_brings_its_own(tmp_path):
+  """An export builds no env, so it cannot write an env's own tokenizer: it refuses before
+  reading any weights, instead of writing the char tokenizer beside them."""
+  from rljax.pipeline import export  # pylint: disable=import-outside-toplevel
+  with pytest.raises(export.ExportError, match="brings its own tokenizer: name its Hugging "
+                     "Face files with --tokenizer_dir"):
+    export.export_model(_env_config("own"), str(tmp_path / "out"),
+                        params_dir=str(tmp_path / "none"))
+
+
+def test_the_vocabulary_check_runs_on_the_env_s_own_tokenizer():
+  with pytest.raises(ConfigError, match=r"the env's own tokenizer \(WideCharTokenizer of "
+                     r"config.env.name='tests.own_tokenizer_env:own'\) has 75 ids, the model "
+                     r"\(config.model.vocab_size\) only 64"):
+    build(_env_config("own", extra_ids=20), ("model", "env"), devices=False)
+  config = _env_config("undeclared", extra_ids=10)
+  config.tokenizer = ml_collections.ConfigDict(dict(kind="env"))
+  with pytest.raises(ConfigError, match=r"the env's own tokenizer .* has 65 ids"):
+    build(config, ("model", "env"), devices=False)
+  # the config's tokenizer is still checked before the env is made: its name, as before
+  config = arith_tiny.get_config()
+  config.model.vocab_size = 50
+  with pytest.raises(ConfigError, match=r"^the char tokenizer has 55 ids"):
+    build(config, ("model", "env"), devices=False)
+
+
+@pytest.mark.parametrize("name,tokenizer,message", [
+    ("undeclared", None, r"config.env.name='tests.own_tokenizer_env:undeclared' takes no "
+     r"tokenizer=: .*config.tokenizer.kind = 'env'"),
+    ("undeclared", "char", r"config.env.name='tests.own_tokenizer_env:undeclared' takes no "
+     r"tokenizer="),
+    ("forwarding", None, r"config.env \(tests.own_tokenizer_env:forwarding\): .*'tokenizer' "
+     r"\(an env that makes its own tokenizer: config.tokenizer.kind = 'env'"),
+    ("no_tokenizer", None, r"the env's own tokenizer \(NoneType of config.env.name="
+     r"'tests.own_tokenizer_env:no_tokenizer'\) is None, not a tokenizer"),
+    ("own", "char", r"config.env.name='tests.own_tokenizer_env:own' brings its own "
+     r"tokenizer .*kind='char' names another"),
+    ("nowhere", None, r"config.env \(tests.own_tokenizer_env:nowhere\): .*has no attribute"),
+])
+def test_a_factory_that_refuses_or_lacks_a_tokenizer_is_a_config_error(name, tokenizer, message):
+  config = _env_config(name)
+  if tokenizer is not None:
+    config.tokenizer = ml_collections.ConfigDict(dict(kind=tokenizer))
+  with pytest.raises(ConfigError, match=message):
+    build(config, ("model", "env"), devices=False)
+  config.env.kwargs.tokenizer = "mine"
+  config.tokenizer = ml_collections.ConfigDict(dict(kind="env"))
+  if name != "nowhere":
+    with pytest.raises(ConfigError, match=r"config.env.kwargs.tokenizer: the tokenizer is "):
+      build(config, ("model", "env"), devices=False)

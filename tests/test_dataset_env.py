@@ -374,7 +374,7 @@ def test_build_with_an_hf_tokenizer_and_a_dataset_env(tok_dir, tmp_path):
         tokenizer__stop_tokens=("<|im_end|>", "</s>"))
   error(r"config.tokenizer has 512 ids, the model \(config.model.vocab_size\) only 256",
         model__vocab_size=256)
-  error(r"config.tokenizer.kind must be one of \['char', 'hf'\], not 'sentencepiece'",
+  error(r"config.tokenizer.kind must be one of \['char', 'env', 'hf'\], not 'sentencepiece'",
         tokenizer__kind="sentencepiece")
   error(r"config.env \(dataset\): .*no such file", env__kwargs=dict(
       path="/nowhere.jsonl", reward_fn=MATH_REWARD))

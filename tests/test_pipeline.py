@@ -11,6 +11,7 @@ import time
 
 import chex
 from hypothesis import given, settings, strategies as st
+import jax
 import numpy as np
 import pytest
 
@@ -477,6 +478,42 @@ def test_sft_stops_at_the_first_probe_that_reaches_the_target(tmp_path, monkeypa
   records = read_jsonl(run.log.jsonl_path)
   assert [r["step"] for r in records if r["phase"] == "sft_probe"] == [5, 10, 12]
   np.testing.assert_allclose(learning_rates, [config.sft.learning_rate], rtol=1e-6)
+
+
+def test_sft_trains_on_the_env_it_is_given(tmp_path, monkeypatch):
+  from configs import arith_tiny  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline import core, sft  # pylint: disable=import-outside-toplevel
+  from rljax.pipeline.run import ConfigError, build  # pylint: disable=import-outside-toplevel
+  from tests import own_tokenizer_env  # pylint: disable=import-outside-toplevel
+  config = arith_tiny.get_config()
+  config.model.update(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, moe_intermediate_size=16,
+                           intermediate_size=32))
+  config.sft.update(dict(steps=3, target_pass1=0.0, batch_size=4, num_tasks=8, log_every=1))
+  config.eval.num_tasks = 4
+  config.log.tensorboard = False
+  run = core.setup(build(config), str(tmp_path), engine=False)
+  # another task (one-digit products) on another tokenizer (59 ids; the run's has 55)
+  other = own_tokenizer_env.own(min_digits=1, max_digits=1, ops=("*",))
+  trained = []
+  build_batch = sft.build_batch
+  monkeypatch.setattr(sft, "build_batch", lambda trajs, *a, **kw: (
+      trained.extend(trajs), build_batch(trajs, *a, **kw))[1])
+  before = run.state.params
+  out = sft.sft(run, env=other)
+  assert out["sft_steps"] == 3 and np.isfinite(out["sft_nll"]) and len(trained) == 12
+  tasks = {tuple(t.prompt_ids): t for t in other.prompts("train", 8, config.seed + 1)}
+  for traj in trained:
+    task = tasks[tuple(traj.prompt_ids)]
+    assert "*" in task.task_id
+    np.testing.assert_array_equal(traj.completion_ids, other.sft_target(task).completion_ids)
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(before),
+                                            jax.tree.leaves(run.state.params)))
+  # its vocabulary is checked against the model's, like a config's env
+  too_wide = own_tokenizer_env.own(extra_ids=20)
+  with pytest.raises(ConfigError, match=r"the SFT env's tokenizer \(arithmetic\) has 75 ids, "
+                     r"the model \(config.model.vocab_size\) only 64"):
+    sft.sft(run, env=too_wide)
 
 
 def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path, monkeypatch):

@@ -120,6 +120,11 @@ class SFTTarget:
 
 @runtime_checkable
 class Env(Protocol):
+  """`tokenizer` is the one a run uses: the config's, passed to the env's factory as
+  `tokenizer=`, or the env's own when it brings one (a factory with `own_tokenizer = True`,
+  or `config.tokenizer.kind = "env"`: called without `tokenizer=`; see
+  rljax.pipeline.run.make_env). Either way its ids must fit the model's vocabulary."""
+
   name: str
   tokenizer: Tokenizer
   max_turns: int  # 1 for single-turn envs

@@ -18,8 +18,8 @@ from rljax.model import abstract_params, count_params
 from rljax.model.hf_export import export_hf
 from rljax.model.lora_export import export_peft
 from rljax.pipeline import adapter_stream
-from rljax.pipeline.run import (MODEL_ONLY, Built, build, hf_tokenizer_dir, init_from_hf,
-                                make_tokenizer)
+from rljax.pipeline.run import (MODEL_ONLY, Built, build, env_brings_tokenizer,
+                                hf_tokenizer_dir, init_from_hf, make_tokenizer)
 from rljax.rl import learner
 
 
@@ -56,12 +56,19 @@ def export_model(config: ml_collections.ConfigDict, out: str, *, params_dir: str
   `tokenizer_dir`'s, else the config's (`tokenizer.kind="hf"`: its directory, init_from's
   when `tokenizer.path` is ""), else the char tokenizer in HF form. Returns what was
   written (out, files, dtype, params)."""
+  # the env's own tokenizer is built with the env, which an export does not make
+  own_tokenizer = "env" in config and env_brings_tokenizer(config)
+  if own_tokenizer and tokenizer_dir is None:
+    raise ExportError(f"config.env.name={config.env.name!r} brings its own tokenizer: "
+                      "name its Hugging Face files with --tokenizer_dir")
   # the model; the rl block's optimizer for a train state (no env: no verifier processes)
   built = build(config, MODEL_ONLY + (("rl",) if checkpoint_dir else ()), devices=False)
   cfg = built.cfg
   params = trained_params(built, params_dir=params_dir, checkpoint_dir=checkpoint_dir,
                           step=step)
   dtype = dtype or cfg.param_dtype
+  if own_tokenizer:
+    return export_with_hf_tokenizer(params, cfg, out, dtype, tokenizer_dir)
   tokenizer = make_tokenizer(config)
   with tempfile.TemporaryDirectory() as tmp:
     tokenizer_dir = tokenizer_dir or hf_tokenizer_dir(config)
@@ -72,6 +79,19 @@ def export_model(config: ml_collections.ConfigDict, out: str, *, params_dir: str
       tokenizer_dir = tmp
     files = export_hf(params, cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir,
                       config_extra=extra)
+  return {"out": out, "files": files, "dtype": str(jnp.dtype(dtype)),
+          "params": count_params(params)}
+
+
+def export_with_hf_tokenizer(params: Any, cfg: Any, out: str, dtype: Any,
+                             tokenizer_dir: str) -> dict:
+  """export_model's checkpoint with `tokenizer_dir`'s files and special ids."""
+  from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
+  tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+  extra = {"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+           "pad_token_id": tok.pad_token_id}
+  files = export_hf(params, cfg, out, dtype=dtype, tokenizer_dir=tokenizer_dir,
+                    config_extra=extra)
   return {"out": out, "files": files, "dtype": str(jnp.dtype(dtype)),
           "params": count_params(params)}
 

@@ -19,6 +19,16 @@ tokenizer's eos token and the `eos_token_id`(s) of the checkpoint's
 where a checkpoint keeps its tokenizer). `env.name` is a registered env or an import path
 "package.module:factory", called with env.kwargs and `tokenizer=`.
 
+An env may bring its own tokenizer instead: `config.tokenizer = ConfigDict(dict(kind="env"))`,
+or a factory that declares it (`factory.own_tokenizer = True`; its config then needs no
+tokenizer block, and a char or hf one is an error). Either way the factory is called
+without `tokenizer=` and the run uses `env.tokenizer` (the engine's EOS, the vocabulary
+check). A config's missing tokenizer block still means the char tokenizer for every other
+env. The tokenizer used must fit the model: ids beyond `config.model.vocab_size` are a
+ConfigError naming it (config.tokenizer, the char tokenizer, or the env's own); a factory
+that takes no `tokenizer=` when given one, or whose own tokenizer is not one, is a
+ConfigError naming config.env.name.
+
 `init_from = "hf:DIR"`: the model's architecture is DIR/config.json's; config.model sets
 only backend fields (BACKEND_FIELDS), and an architecture field it sets (not None) is an
 override that must agree with the checkpoint (`model_config`).
@@ -44,6 +54,7 @@ engine.max_seq_len against the model's positions.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import numbers
@@ -101,7 +112,8 @@ ASYNC_TRAINER = LOCKSTEP + ("async_rl",)
 ROLLOUT_HOST = ("model", "env", "engine", "rl", "async_rl")
 MODEL_ONLY = ("model", "mesh")
 OPTIONAL = ("lora",)  # checked whenever present, by any caller
-TOKENIZER_KEYS = {"char": (), "hf": ("path", "stop_tokens", "chat_template")}
+# "env": the env's factory makes its own tokenizer (make_env)
+TOKENIZER_KEYS = {"char": (), "hf": ("path", "stop_tokens", "chat_template"), "env": ()}
 
 
 class ConfigError(ValueError):
@@ -405,10 +417,10 @@ def hf_tokenizer_dir(config: ml_collections.ConfigDict) -> str | None:
   return path
 
 
-def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
-  """config.tokenizer as an object; the char tokenizer when the block is absent."""
+def tokenizer_kind(config: ml_collections.ConfigDict) -> str | None:
+  """config.tokenizer.kind, its block checked; None when the block is absent."""
   if "tokenizer" not in config:
-    return envs.CharTokenizer()
+    return None
   t = config.tokenizer
   if not isinstance(t, ml_collections.ConfigDict):
     raise ConfigError(f"config.tokenizer must be a block (a ConfigDict), not {t!r}")
@@ -420,8 +432,34 @@ def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
   if missing or unknown:
     raise ConfigError(f"config.tokenizer (kind={t.kind!r}) takes the keys {sorted(keys)}; "
                       f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-  if t.kind == "char":
+  return t.kind
+
+
+def env_brings_tokenizer(config: ml_collections.ConfigDict) -> bool:
+  """Whether the env makes its own tokenizer: `config.tokenizer.kind = "env"`, or a factory
+  that declares `own_tokenizer = True` (`envs.brings_tokenizer`; its config has no
+  tokenizer block or kind "env": a char or hf block would be ignored, so it is an error)."""
+  kind = tokenizer_kind(config)
+  try:
+    declared = envs.brings_tokenizer(config.env.name)
+  except ValueError as e:
+    raise ConfigError(f"config.env ({config.env.name}): {e}") from None
+  if declared and kind not in (None, "env"):
+    raise ConfigError(f"config.env.name={config.env.name!r} brings its own tokenizer "
+                      f"(own_tokenizer = True), but config.tokenizer.kind={kind!r} names "
+                      "another: drop the tokenizer block, or set its kind to 'env'")
+  return declared or kind == "env"
+
+
+def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
+  """config.tokenizer as an object; the char tokenizer when the block is absent."""
+  kind = tokenizer_kind(config)
+  if kind is None or kind == "char":
     return envs.CharTokenizer()
+  if kind == "env":
+    raise ConfigError("config.tokenizer.kind='env': the tokenizer is the env's own "
+                      "(make_env(config, cfg).tokenizer), not one the config makes")
+  t = config.tokenizer
   path = hf_tokenizer_dir(config)
   if not os.path.isdir(path):
     raise ConfigError(f"config.tokenizer.path: {path!r} is not a directory")
@@ -473,20 +511,58 @@ def default_stop_tokens(hf_tokenizer, *dirs: str | None) -> tuple[str, ...]:
   return tuple(dict.fromkeys(out))
 
 
+def check_vocabulary(tokenizer: envs.Tokenizer, cfg: ModelConfig, where: str) -> None:
+  """The tokenizer's ids must all be the model's (`where`: which tokenizer, for the error)."""
+  size = getattr(tokenizer, "vocab_size", None)
+  if not isinstance(size, numbers.Integral) or isinstance(size, bool):
+    raise ConfigError(f"{where} is {tokenizer!r}, not a tokenizer (no integer vocab_size)")
+  if size > cfg.vocab_size:
+    raise ConfigError(f"{where} has {size} ids, the model (config.model.vocab_size) only "
+                      f"{cfg.vocab_size}")
+
+
+def takes_tokenizer(factory: Any) -> bool:
+  """Whether `factory` accepts `tokenizer=` (a callable without a signature: assumed)."""
+  try:
+    params = inspect.signature(factory).parameters.values()
+  except (TypeError, ValueError):
+    return True
+  return any((p.name == "tokenizer" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD
+             for p in params)
+
+
 def make_env(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Env:
-  """config.env with config.tokenizer; the tokenizer must fit the model's vocabulary."""
-  tokenizer = make_tokenizer(config)
-  if tokenizer.vocab_size > cfg.vocab_size:
-    where = "config.tokenizer" if "tokenizer" in config else "the char tokenizer"
-    raise ConfigError(f"{where} has {tokenizer.vocab_size} ids, the model "
-                      f"(config.model.vocab_size) only {cfg.vocab_size}")
+  """config.env with config.tokenizer, or with its own (`env_brings_tokenizer`); the
+  tokenizer it uses must fit the model's vocabulary."""
+  name = config.env.name
+  own = env_brings_tokenizer(config)
   kwargs = config.env.kwargs.to_dict()
   if "sandbox" in config.env:  # optional: the sandboxed tool's settings (python_tool)
     kwargs["sandbox"] = config.env.sandbox.to_dict()
+  if "tokenizer" in kwargs:
+    raise ConfigError("config.env.kwargs.tokenizer: the tokenizer is config.tokenizer's, or "
+                      "the env's own (config.tokenizer.kind = 'env'), never an env kwarg")
+  if not own:
+    tokenizer = make_tokenizer(config)
+    check_vocabulary(tokenizer, cfg, "config.tokenizer" if "tokenizer" in config
+                     else "the char tokenizer")
+    if not takes_tokenizer(envs.factory(name)):
+      raise ConfigError(f"config.env.name={name!r} takes no tokenizer=: an env that makes "
+                        "its own tokenizer needs config.tokenizer.kind = 'env' (or its "
+                        "factory's own_tokenizer = True)")
+    kwargs["tokenizer"] = tokenizer
   try:
-    return envs.make(config.env.name, tokenizer=tokenizer, **kwargs)
+    env = envs.make(name, **kwargs)
   except (TypeError, ValueError) as e:
-    raise ConfigError(f"config.env ({config.env.name}): {e}") from None
+    hint = (" (an env that makes its own tokenizer: config.tokenizer.kind = 'env', or its "
+            "factory's own_tokenizer = True)"
+            if isinstance(e, TypeError) and not own and "tokenizer" in str(e) else "")
+    raise ConfigError(f"config.env ({name}): {e}{hint}") from None
+  if own:
+    tokenizer = getattr(env, "tokenizer", None)
+    check_vocabulary(tokenizer, cfg, f"the env's own tokenizer ({type(tokenizer).__name__} "
+                     f"of config.env.name={name!r})")
+  return env
 
 
 def check_sft_targets(config: ml_collections.ConfigDict, env: Env) -> None:

@@ -20,7 +20,7 @@ from rljax.checkpoint import Checkpointer
 from rljax.envs.base import Env, Task
 from rljax.pipeline.core import Run, params_only, task_stream
 from rljax.pipeline.evaluate import greedy_groups, success_rate
-from rljax.pipeline.run import block_optimizer
+from rljax.pipeline.run import block_optimizer, check_vocabulary
 from rljax.rl import learner
 from rljax.rl.batch import build_batch, split_microbatches
 from rljax.rl.trajectory import FinishReason, Trajectory
@@ -33,8 +33,11 @@ def sft_trajectory(env: Env, task: Task) -> Trajectory:
                     np.zeros(c, np.float32), np.zeros(c, np.int32), None, FinishReason.EOS)
 
 
-def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
-  """SFT warm start on reference completions of train tasks (fresh optimizer).
+def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter,
+        env: Env | None = None) -> dict:
+  """SFT warm start on reference completions of train tasks (fresh optimizer): `env`'s
+  (its tasks, its tokenizer, its probe; its vocabulary checked against the model's) when
+  given, else run.env's.
 
   With `sft.target_pass1 > 0` it stops early, at the first `sft.probe_every` boundary where
   greedy pass@1 on a probe set of *train* tasks reaches the target: when a warm start
@@ -46,6 +49,15 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
   The held-out split is never looked at here.
   """
   c = run.config.sft
+  if env is None:
+    env = run.env
+  else:
+    check_vocabulary(env.tokenizer, run.cfg, f"the SFT env's tokenizer ({env.name})")
+    if not getattr(env, "has_sft_targets", True):
+      raise ValueError(f"the SFT env ({env.name}) has no SFT targets")
+    if c.target_pass1 and run.engine and env.tokenizer.eos_id != run.engine.eos_id:
+      raise ValueError(f"the SFT env's EOS {env.tokenizer.eos_id} is not the engine's "
+                       f"{run.engine.eos_id}: its probe cannot run (sft.target_pass1 = 0)")
 
   def make_step(lr_factor: float):
     # the optimizer state does not depend on the schedule: a slower step continues it
@@ -56,20 +68,20 @@ def sft(run: Run, progress: Callable[[Iterator], Iterator] = iter) -> dict:
   optimizer, step_fn = make_step(1.0)
   state = learner.init_state(run.state.params, optimizer)
   slowed = False
-  tasks = task_stream(run.env, c.num_tasks, run.config.seed + 1)
+  tasks = task_stream(env, c.num_tasks, run.config.seed + 1)
   shape = run.batch_shape(c.batch_size)
-  probe = run.env.prompts("train", c.probe_tasks, run.config.seed + 2) if c.target_pass1 else []
+  probe = env.prompts("train", c.probe_tasks, run.config.seed + 2) if c.target_pass1 else []
   metrics, probe_pass1, step = {}, 0.0, 0
   t0 = time.perf_counter()
   for step in progress(range(1, c.steps + 1)):
-    trajs = [sft_trajectory(run.env, t) for t in itertools.islice(tasks, c.batch_size)]
+    trajs = [sft_trajectory(env, t) for t in itertools.islice(tasks, c.batch_size)]
     batch = build_batch(trajs, np.zeros(len(trajs)), np.ones(len(trajs), bool), **shape)
     state, metrics = step_fn(state, split_microbatches(batch, c.microbatches))
     if step % c.log_every == 0 or step == c.steps:
       run.log.write("sft", step, jax.device_get(metrics))
     if probe and step % (c.probe_every_slow if slowed else c.probe_every) == 0:
       run.engine.update_weights(run.serve(state), 0)
-      probe_pass1 = success_rate(greedy_groups(run.engine, run.env, probe, seed=0,
+      probe_pass1 = success_rate(greedy_groups(run.engine, env, probe, seed=0,
                                                max_new_tokens=run.config.rl.max_new_tokens,
                                                failures=run.failures))
       run.log.write("sft_probe", step, {"train_probe_pass1": probe_pass1})
