@@ -20,7 +20,7 @@ from jupyter_client.manager import KernelManager
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CELL_TIMEOUT_S = 300  # per cell; the four notebooks together take ~2 min on 2 CPU cores
+CELL_TIMEOUT_S = 300  # per cell; the notebooks together take ~2.5 min on 2 CPU cores
 
 
 def test_there_are_notebooks():
