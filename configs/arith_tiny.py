@@ -77,6 +77,9 @@ def get_config() -> ml_collections.ConfigDict:
   # fresh prompts for up to this many rollout rounds per step (1 = off; 3 did not lift
   # seed 1's held-out pass@1 here: 0.773 vs 0.785 over 300 steps, at 2x the rollouts)
   c.rl.dynamic_sampling_rounds = 1
+  # the lockstep loop's checkpoints (experiments/grpo.py --resume goes on from the latest;
+  # 0: none); the async trainer's: config.async_rl.checkpoint_every
+  c.rl.checkpoint_every = 50
   # The recipe (lr 2e-4, 20 warmup steps, cosine to 5%; clip-higher 0.28, TIS, router
   # replay) against TRL GRPOTrainer's (lr 1e-4 constant, clip 0.2, neither), held-out
   # greedy pass@1 over 500 steps, 3 seeds per SFT start (experiments/study_recipe.py):

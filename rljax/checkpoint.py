@@ -31,6 +31,7 @@ class Restored:
   state: Any
   step: int
   stream_version: int | None
+  extra: dict = dataclasses.field(default_factory=dict)  # `save`'s, JSON
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -63,9 +64,11 @@ class Checkpointer:
                                              enable_async_checkpointing=async_save),
         item_names=(_STATE, _META))
 
-  def save(self, step: int, state: Any, *, stream_version: int | None) -> None:
-    """Starts saving `state` as checkpoint `step` (returns once the arrays are copied)."""
-    meta = {"step": int(step), "stream_version": stream_version}
+  def save(self, step: int, state: Any, *, stream_version: int | None,
+           extra: dict | None = None) -> None:
+    """Starts saving `state` as checkpoint `step` (returns once the arrays are copied);
+    `extra`: what else a restart needs, JSON (e.g. a loop's counters)."""
+    meta = {"step": int(step), "stream_version": stream_version, "extra": extra or {}}
     saved = self._manager.save(int(step), args=ocp.args.Composite(**{
         _STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}))
     if not saved:
@@ -92,7 +95,7 @@ class Checkpointer:
         _STATE: ocp.args.StandardRestore(abstract_like(target)), _META: ocp.args.JsonRestore()}))
     meta = out[_META]
     return Restored(state=out[_STATE], step=int(meta["step"]),
-                    stream_version=meta["stream_version"])
+                    stream_version=meta["stream_version"], extra=meta.get("extra") or {})
 
   def close(self) -> None:
     self._manager.wait_until_finished()

@@ -37,7 +37,8 @@ Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive up
 nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
 `rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
 `eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s),
-`engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s). The optimizer recipe of
+`engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s), `rl.checkpoint_every` (0: the
+lockstep loop saves no checkpoints; experiments/grpo.py --resume goes on from the latest). The optimizer recipe of
 `sft` and `rl` (`block_optimizer`): `schedule_steps` (0 or None: the block's `steps`; the
 cosine decay's horizon, so a longer one leaves the rate above the final one at the run's
 end), `adam_b1` (0.9), `adam_b2` (0.999; required in `rl`), `adam_eps` (1e-8) and
@@ -185,6 +186,10 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
   for block in ("sft", "rl"):
     if block in needs:
       check_recipe(config[block], f"config.{block}")
+  every = config.rl.get("checkpoint_every", 0) if "rl" in needs else 0
+  if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+    raise ConfigError("config.rl.checkpoint_every must be an int >= 0 (0: no lockstep "
+                      f"checkpoints), got {every!r}")
   if "rl" in needs:
     rl = config.rl
     if rl.advantage not in advantages.KINDS:

@@ -137,3 +137,12 @@ def warm_start(run: Run, sft_dir: str, progress: Callable[..., Iterator]) -> dic
   out = sft(run, functools.partial(progress, desc="sft"))
   save_params(run, sft_dir)
   return out
+
+
+def reload(run: Run, sft_dir: str) -> None:
+  """A resumed run's warm start, not run again: the params GRPO started from (the
+  checkpoint `sft.load`, or the one `warm_start` saved to `sft_dir`; nothing with
+  sft.steps 0: `setup`'s initial params), bit for bit."""
+  c = run.config.sft
+  if c.load or c.steps:
+    load_params(run, c.load or sft_dir)
