@@ -782,8 +782,9 @@ def test_a_call_while_the_turn_it_gave_up_on_still_runs_waits_and_rolls_it_back(
     _hang_up(endpoint, {"model": "rljax", "episode_id": "gave-up", "max_tokens": 8,
                         "seed": 5, "messages": history + [{"role": "tool",
                                                            "content": "result: 46"}]})
-    deadline = time.monotonic() + 60
-    while endpoint.waiting_turns < 1 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # until this episode's turn waits (not any turn)
+    while not (endpoint.episode("gave-up").busy and endpoint.waiting_turns >= 1) and \
+        time.monotonic() < deadline:
       time.sleep(0.01)
     assert endpoint.episode("gave-up").busy  # the lost turn is in flight
     call = threading.Thread(target=lambda: result.update(out=_post(

@@ -359,16 +359,11 @@ class Scheduler:
     else:
       self.pool.release(seq.pages)
       seq.pages = []
-    p = seq.prompt_len
     routing = np.zeros((len(seq.tokens), self.moe_layers, self.experts_per_token), np.int32)
     if self.moe_layers and seq.routing:
       routing[:len(seq.routing)] = np.stack(seq.routing)
-    return Trajectory(
-        prompt_ids=np.asarray(seq.tokens[:p], np.int32),
-        completion_ids=np.asarray(seq.tokens[p:], np.int32),
-        loss_mask=np.asarray(seq.loss_mask, bool),
-        behaviour_logprobs=np.asarray(seq.logprobs, np.float32),
-        versions=np.asarray(seq.versions, np.int32),
+    return Trajectory.from_sequence(
+        seq.tokens, seq.prompt_len, seq.loss_mask, seq.logprobs, seq.versions,
         expert_ids=routing if self.moe_layers else None,
         finish_reason=reason, request_id=seq.request.request_id,
         group_id=seq.request.group_id, sample_index=seq.sample_index)

@@ -63,6 +63,17 @@ class Trajectory:
     if self.expert_ids is not None and len(self.expert_ids) != len(self.prompt_ids) + c:
       raise ValueError("expert_ids must have one row per prompt and completion token")
 
+  @classmethod
+  def from_sequence(cls, tokens, prompt_len: int, loss_mask, logprobs, versions,
+                    **fields) -> "Trajectory":
+    """A trajectory of one sampled sequence as it was recorded (lists per completion
+    token): tokens split at `prompt_len`, the rest as arrays of their dtypes."""
+    return cls(prompt_ids=np.asarray(tokens[:prompt_len], np.int32),
+               completion_ids=np.asarray(tokens[prompt_len:], np.int32),
+               loss_mask=np.asarray(loss_mask, bool),
+               behaviour_logprobs=np.asarray(logprobs, np.float32),
+               versions=np.asarray(versions, np.int32), **fields)
+
   @property
   def tokens(self) -> np.ndarray:
     return np.concatenate([self.prompt_ids, self.completion_ids]).astype(np.int32)

@@ -68,6 +68,10 @@ class Deliveries:
     with self._lock:
       ep = self._episodes.get(episode_id) if isinstance(episode_id, str) else None
       call = None if ep is None else ep.last_call
+      if call is not None and call.response is not response:
+        # the episode's next call may have claimed it while this reply was being written
+        # (it then waits for this report, as `prev`, before it fits its messages)
+        call = call.prev
       if call is None or call.response is not response:
         return  # an older call's: the episode went on
       call.writing = max(0, call.writing - 1)

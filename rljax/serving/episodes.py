@@ -265,13 +265,8 @@ class EpisodeStore:
     return ep
 
   def _trajectory(self, ep: EpisodeRecord, reward: float, outcome: Outcome) -> Trajectory:
-    p = ep.prompt_len
-    return Trajectory(
-        prompt_ids=np.asarray(ep.tokens[:p], np.int32),
-        completion_ids=np.asarray(ep.tokens[p:], np.int32),
-        loss_mask=np.asarray(ep.loss_mask, bool),
-        behaviour_logprobs=np.asarray(ep.logprobs, np.float32),
-        versions=np.asarray(ep.versions, np.int32),
+    return Trajectory.from_sequence(
+        ep.tokens, ep.prompt_len, ep.loss_mask, ep.logprobs, ep.versions,
         expert_ids=np.stack(ep.routing).astype(np.int32) if ep.routing else None,
         finish_reason=ep.finish_reason, request_id=ep.request_id, group_id=ep.request_id,
         sample_index=0, reward=reward, outcome=outcome)
