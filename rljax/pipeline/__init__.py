@@ -7,6 +7,9 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
   queue_client             the queue's rollout-host end
   lineage                  which groups each async update trained on
   rollout, evaluate        episodes on the engine; held-out pass@k
+  config_error             ConfigError, init_from's checkpoint directory
+  recipe                   the sft / rl optimizer recipe: lr schedule, AdamW settings, checks
+  env_setup                the config's tokenizer and env, checked against the model
   run                      build(config): the one place a config becomes objects
   adapter_stream           config.lora on the root: the base once, the adapters each version
   export                   trained weights as an HF checkpoint, adapters as a PEFT adapter
@@ -23,6 +26,6 @@ modules before it in `LAYERS` (tests/test_configs.py checks it).
 """
 
 LAYERS = ("npz", "metrics", "layout", "wire", "work_queue", "queue_owner", "queue_client",
-          "lineage", "rollout", "evaluate", "run", "adapter_stream", "export", "watch",
-          "core", "sft", "report", "grpo_update", "fidelity", "lockstep", "host",
-          "async_loop", "launch")
+          "lineage", "rollout", "evaluate", "config_error", "recipe", "env_setup", "run",
+          "adapter_stream", "export", "watch", "core", "sft", "report", "grpo_update",
+          "fidelity", "lockstep", "host", "async_loop", "launch")

@@ -55,10 +55,8 @@ engine.max_seq_len against the model's positions.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
-import numbers
 import os
 import typing
 from typing import Any, Iterable, Mapping
@@ -67,7 +65,6 @@ import jax
 import ml_collections
 import optax
 
-from rljax import envs
 from rljax import sharding as sharding_lib
 from rljax.engine.engine import DecodeEngine, SamplingParams, WeightUpdatePolicy, check_slots
 from rljax.envs.base import Env
@@ -76,6 +73,15 @@ from rljax.model import lora as lora_lib
 from rljax.model.hf_import import config_from_hf
 from rljax.model.packing import aligned_length
 from rljax.numerics import Numerics
+# the config's error, its recipe and its tokenizer and env live beside this module; run's
+# callers reach them here too
+from rljax.pipeline.config_error import ConfigError, init_from_hf
+from rljax.pipeline.env_setup import (TOKENIZER_KEYS, check_sft_targets,  # noqa: F401
+                                      check_vocabulary, default_stop_tokens,
+                                      env_brings_tokenizer, hf_tokenizer_dir, make_env,
+                                      make_tokenizer, takes_tokenizer, tokenizer_kind)
+from rljax.pipeline.recipe import (RECIPE_DEFAULTS, RECIPE_RULES, block_optimizer,  # noqa: F401
+                                   check_recipe, lr_schedule, recipe)
 from rljax.rl import advantages, learner
 from rljax.rl.losses import LossConfig
 
@@ -113,12 +119,6 @@ ASYNC_TRAINER = LOCKSTEP + ("async_rl",)
 ROLLOUT_HOST = ("model", "env", "engine", "rl", "async_rl")
 MODEL_ONLY = ("model", "mesh")
 OPTIONAL = ("lora",)  # checked whenever present, by any caller
-# "env": the env's factory makes its own tokenizer (make_env)
-TOKENIZER_KEYS = {"char": (), "hf": ("path", "stop_tokens", "chat_template"), "env": ()}
-
-
-class ConfigError(ValueError):
-  """A config that cannot make a run; the message names the block and key."""
 
 
 def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
@@ -237,60 +237,6 @@ def check_values(config: ml_collections.ConfigDict, needs: tuple[str, ...]) -> N
       raise ConfigError(f"config.async_rl.max_staleness must be >= 0, not {a.max_staleness}")
 
 
-# an sft or rl block's optimizer keys that a config may leave out, with their defaults
-RECIPE_DEFAULTS = {"schedule_steps": 0, "adam_b1": 0.9, "adam_b2": 0.999, "adam_eps": 1e-8,
-                   "clip_norm": 1.0}
-
-
-def _number(value: Any) -> bool:
-  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value))
-
-
-def _int(value: Any) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-# key -> (whether a value is valid, what it must be)
-RECIPE_RULES = {
-    "warmup_steps": (lambda v: _int(v) and v >= 0,
-                     "an int >= 0 (0: the full rate from the first update)"),
-    "schedule_steps": (lambda v: v is None or (_int(v) and v >= 0),
-                       "an int >= 1 (the cosine horizon), or 0 / None (the block's steps)"),
-    "final_lr_frac": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "adam_b1": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "adam_b2": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "adam_eps": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "clip_norm": (lambda v: _number(v) and v > 0, "a number > 0"),
-}
-
-
-def check_recipe(c: ml_collections.ConfigDict, field: str) -> None:
-  """The schedule and optimizer keys of an sft or rl block (`field`: its name)."""
-  for key, (valid, rule) in RECIPE_RULES.items():
-    value = c.get(key, RECIPE_DEFAULTS.get(key))
-    if not valid(value):
-      raise ConfigError(f"{field}.{key} must be {rule}, not {value!r}")
-
-
-def recipe(c: ml_collections.ConfigDict, key: str) -> Any:
-  """An sft or rl block's `key`, or its default (RECIPE_DEFAULTS)."""
-  return c.get(key, RECIPE_DEFAULTS[key])
-
-
-def block_optimizer(c: ml_collections.ConfigDict, *, lr_factor: float = 1.0,
-                    skip_empty: bool = False) -> optax.GradientTransformation:
-  """The AdamW of an sft or rl block: `lr_schedule` over the block's steps (times
-  `lr_factor`), its clip_norm, adam_b1/b2/eps and weight_decay."""
-  schedule = base = lr_schedule(c, c.steps)
-  if lr_factor != 1.0:
-    schedule = lambda count: base(count) * lr_factor  # noqa: E731
-  return learner.make_optimizer(
-      schedule, weight_decay=c.weight_decay,
-      clip_norm=recipe(c, "clip_norm"), b1=recipe(c, "adam_b1"), b2=recipe(c, "adam_b2"),
-      eps=recipe(c, "adam_eps"), skip_empty=skip_empty)
-
-
 def signal_scaled(config: ml_collections.ConfigDict) -> bool:
   """`config.rl.signal_scaled_updates` (optional, absent = False): each GRPO update times
   the share of its samples that have an advantage, and none (params and Adam's moments
@@ -351,17 +297,6 @@ def check_shapes(config: ml_collections.ConfigDict, needs: set[str], cfg: ModelC
                         f"rows of an update's {num_seqs} sequences (row_len {row_len})")
 
 
-def init_from_hf(config: ml_collections.ConfigDict) -> str | None:
-  """The HF checkpoint directory of `init_from = "hf:DIR"`; None for a random init ("")."""
-  init_from = config.get("init_from", "")
-  if not init_from:
-    return None
-  if not init_from.startswith("hf:") or len(init_from) == 3:
-    raise ConfigError(f"config.init_from {init_from!r}: expected 'hf:/path/to/checkpoint_dir' "
-                      "(or '' for a random init)")
-  return init_from[3:]
-
-
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """config.model, or with `init_from`: the checkpoint's config.json plus config.model's
   backend fields (BACKEND_FIELDS). An architecture field config.model leaves unset (absent,
@@ -409,177 +344,6 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
                                     if k in BACKEND_FIELDS and v is not None})
 
 
-def hf_tokenizer_dir(config: ml_collections.ConfigDict) -> str | None:
-  """The directory of a `kind="hf"` tokenizer (`path`, or init_from's directory when it is
-  ""); None for the char tokenizer."""
-  t = config.get("tokenizer")
-  if not isinstance(t, ml_collections.ConfigDict) or t.get("kind") != "hf":
-    return None
-  path = t.get("path") or init_from_hf(config)
-  if not path:
-    raise ConfigError("config.tokenizer.path is empty and there is no config.init_from "
-                      "checkpoint to take the tokenizer from")
-  return path
-
-
-def tokenizer_kind(config: ml_collections.ConfigDict) -> str | None:
-  """config.tokenizer.kind, its block checked; None when the block is absent."""
-  if "tokenizer" not in config:
-    return None
-  t = config.tokenizer
-  if not isinstance(t, ml_collections.ConfigDict):
-    raise ConfigError(f"config.tokenizer must be a block (a ConfigDict), not {t!r}")
-  if t.get("kind") not in TOKENIZER_KEYS:
-    raise ConfigError(f"config.tokenizer.kind must be one of {sorted(TOKENIZER_KEYS)}, not "
-                      f"{t.get('kind')!r}")
-  keys = set(TOKENIZER_KEYS[t.kind])
-  missing, unknown = keys - set(t.keys()), set(t.keys()) - keys - {"kind"}
-  if missing or unknown:
-    raise ConfigError(f"config.tokenizer (kind={t.kind!r}) takes the keys {sorted(keys)}; "
-                      f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-  return t.kind
-
-
-def env_brings_tokenizer(config: ml_collections.ConfigDict) -> bool:
-  """Whether the env makes its own tokenizer: `config.tokenizer.kind = "env"`, or a factory
-  that declares `own_tokenizer = True` (`envs.brings_tokenizer`; its config has no
-  tokenizer block or kind "env": a char or hf block would be ignored, so it is an error)."""
-  kind = tokenizer_kind(config)
-  try:
-    declared = envs.brings_tokenizer(config.env.name)
-  except ValueError as e:
-    raise ConfigError(f"config.env ({config.env.name}): {e}") from None
-  if declared and kind not in (None, "env"):
-    raise ConfigError(f"config.env.name={config.env.name!r} brings its own tokenizer "
-                      f"(own_tokenizer = True), but config.tokenizer.kind={kind!r} names "
-                      "another: drop the tokenizer block, or set its kind to 'env'")
-  return declared or kind == "env"
-
-
-def make_tokenizer(config: ml_collections.ConfigDict) -> envs.Tokenizer:
-  """config.tokenizer as an object; the char tokenizer when the block is absent."""
-  kind = tokenizer_kind(config)
-  if kind is None or kind == "char":
-    return envs.CharTokenizer()
-  if kind == "env":
-    raise ConfigError("config.tokenizer.kind='env': the tokenizer is the env's own "
-                      "(make_env(config, cfg).tokenizer), not one the config makes")
-  t = config.tokenizer
-  path = hf_tokenizer_dir(config)
-  if not os.path.isdir(path):
-    raise ConfigError(f"config.tokenizer.path: {path!r} is not a directory")
-  try:
-    import transformers  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise ConfigError("config.tokenizer.kind='hf' needs the transformers package "
-                      "(pip install -e '.[test]')") from None
-  try:
-    hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"config.tokenizer.path: {path!r} is not a tokenizer directory: "
-                      f"{e}") from None
-  stop_tokens = tuple(t.stop_tokens) or default_stop_tokens(hf, path, init_from_hf(config))
-  try:
-    return envs.TransformersTokenizer(hf, stop_tokens=stop_tokens,
-                                      chat_template=t.chat_template)
-  except ValueError as e:  # the message starts with the field's name
-    raise ConfigError(f"config.tokenizer.{e}") from None
-
-
-def default_stop_tokens(hf_tokenizer, *dirs: str | None) -> tuple[str, ...]:
-  """The stop tokens of `tokenizer.stop_tokens = ()`: the tokenizer's EOS first, then the
-  `eos_token_id`(s) of the first `generation_config.json` among `dirs` (the tokenizer's
-  directory, init_from's: what transformers' `generate` stops at). () when there is
-  neither (TransformersTokenizer then names the missing EOS)."""
-  out = [hf_tokenizer.eos_token] if hf_tokenizer.eos_token is not None else []
-  for directory in dict.fromkeys(d for d in dirs if d):
-    path = os.path.join(directory, "generation_config.json")
-    if not os.path.isfile(path):
-      continue
-    try:
-      with open(path) as f:
-        ids = json.load(f).get("eos_token_id")
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"config.tokenizer.stop_tokens is () but {path} is unreadable: "
-                        f"{e}") from None
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    for i in ids:
-      try:
-        token = hf_tokenizer.convert_ids_to_tokens(int(i)) if isinstance(i, int) else None
-      except (IndexError, OverflowError, ValueError):
-        token = None
-      if token is None:
-        raise ConfigError(f"config.tokenizer.stop_tokens is () but {path}'s eos_token_id "
-                          f"{i!r} is not a token of the tokenizer")
-      out.append(token)
-    break
-  return tuple(dict.fromkeys(out))
-
-
-def check_vocabulary(tokenizer: envs.Tokenizer, cfg: ModelConfig, where: str) -> None:
-  """The tokenizer's ids must all be the model's (`where`: which tokenizer, for the error)."""
-  size = getattr(tokenizer, "vocab_size", None)
-  if not isinstance(size, numbers.Integral) or isinstance(size, bool):
-    raise ConfigError(f"{where} is {tokenizer!r}, not a tokenizer (no integer vocab_size)")
-  if size > cfg.vocab_size:
-    raise ConfigError(f"{where} has {size} ids, the model (config.model.vocab_size) only "
-                      f"{cfg.vocab_size}")
-
-
-def takes_tokenizer(factory: Any) -> bool:
-  """Whether `factory` accepts `tokenizer=` (a callable without a signature: assumed)."""
-  try:
-    params = inspect.signature(factory).parameters.values()
-  except (TypeError, ValueError):
-    return True
-  return any((p.name == "tokenizer" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD
-             for p in params)
-
-
-def make_env(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Env:
-  """config.env with config.tokenizer, or with its own (`env_brings_tokenizer`); the
-  tokenizer it uses must fit the model's vocabulary."""
-  name = config.env.name
-  own = env_brings_tokenizer(config)
-  kwargs = config.env.kwargs.to_dict()
-  if "sandbox" in config.env:  # optional: the sandboxed tool's settings (python_tool)
-    kwargs["sandbox"] = config.env.sandbox.to_dict()
-  if "tokenizer" in kwargs:
-    raise ConfigError("config.env.kwargs.tokenizer: the tokenizer is config.tokenizer's, or "
-                      "the env's own (config.tokenizer.kind = 'env'), never an env kwarg")
-  if not own:
-    tokenizer = make_tokenizer(config)
-    check_vocabulary(tokenizer, cfg, "config.tokenizer" if "tokenizer" in config
-                     else "the char tokenizer")
-    if not takes_tokenizer(envs.factory(name)):
-      raise ConfigError(f"config.env.name={name!r} takes no tokenizer=: an env that makes "
-                        "its own tokenizer needs config.tokenizer.kind = 'env' (or its "
-                        "factory's own_tokenizer = True)")
-    kwargs["tokenizer"] = tokenizer
-  try:
-    env = envs.make(name, **kwargs)
-  except (TypeError, ValueError) as e:
-    hint = (" (an env that makes its own tokenizer: config.tokenizer.kind = 'env', or its "
-            "factory's own_tokenizer = True)"
-            if isinstance(e, TypeError) and not own and "tokenizer" in str(e) else "")
-    raise ConfigError(f"config.env ({name}): {e}{hint}") from None
-  if own:
-    tokenizer = getattr(env, "tokenizer", None)
-    check_vocabulary(tokenizer, cfg, f"the env's own tokenizer ({type(tokenizer).__name__} "
-                     f"of config.env.name={name!r})")
-  return env
-
-
-def check_sft_targets(config: ml_collections.ConfigDict, env: Env) -> None:
-  """A warm start that would train on SFT targets needs an env that has them."""
-  sft_runs = config.sft.steps > 0 and not config.sft.load
-  if sft_runs and not getattr(env, "has_sft_targets", True):
-    why = getattr(env, "no_sft_targets", "")
-    raise ConfigError(f"config.sft.steps={config.sft.steps}, but the env has no SFT targets "
-                      f"({why or 'a dataset env has them with config.env.kwargs.answer_field'}"
-                      "): set config.sft.steps = 0, or config.sft.load")
-
-
 def mesh_devices(config: ml_collections.ConfigDict) -> int:
   """The devices of the run's largest mesh: config.mesh's, or a rollout host's
   (config.engine.mesh)."""
@@ -598,22 +362,6 @@ def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
     raise ConfigError(f"config.mesh {mesh_shape} needs {size} devices, have "
                       f"{jax.device_count()}")
   return sharding_lib.Sharding(sharding_lib.make_mesh(dict(mesh_shape), jax.devices()[:size]))
-
-
-def lr_schedule(c: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
-  """Linear warmup from 0 over c.warmup_steps updates (none: the first update already has
-  c.learning_rate); then constant (final_lr_frac 1) or cosine decay to learning_rate *
-  final_lr_frac at c.schedule_steps (absent, 0 or None: `steps`), constant after it."""
-  horizon = c.get("schedule_steps") or steps
-  if c.warmup_steps <= 0:
-    if c.final_lr_frac == 1.0:
-      return optax.constant_schedule(c.learning_rate)
-    return optax.cosine_decay_schedule(c.learning_rate, max(horizon, 1), alpha=c.final_lr_frac)
-  if c.final_lr_frac == 1.0:
-    return optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
-  return optax.warmup_cosine_decay_schedule(
-      0.0, c.learning_rate, c.warmup_steps, max(horizon, c.warmup_steps + 1),
-      end_value=c.learning_rate * c.final_lr_frac)
 
 
 @dataclasses.dataclass(frozen=True)
