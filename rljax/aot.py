@@ -270,10 +270,10 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   # leaves of them at full width
   width = prefill_len or max_seq_len
   cap = int(config.engine.get("max_prefill_tokens", 0)) if "engine" in config else 0
-  rows = prefill_rows or min(num_slots, cap // width if cap else num_slots)
-  prefill = lower("prefill", engine.prefill, engine.prefill_args(num_pages, rows, width),
-                  decode_size)
-  prefill.update(rows=rows, width=width)
+  prefill_rows = prefill_rows or min(num_slots, cap // width if cap else num_slots)
+  prefill = lower("prefill", engine.prefill,
+                  engine.prefill_args(num_pages, prefill_rows, width), decode_size)
+  prefill.update(rows=prefill_rows, width=width)
 
   # ---- bytes ----------------------------------------------------------------------------
   parts = {

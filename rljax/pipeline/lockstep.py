@@ -178,8 +178,8 @@ def grpo(run: core.Run, progress: Callable[[Iterator], Iterator] = iter,
          carried: dict | None = None) -> dict:
   """GRPO steps (`step`) until `rl.steps`, `max_steps` (the last step's number: fewer
   steps on `rl.steps`' lr schedule) or an `on_step` that returns False (the loop ends
-  after that step). A step that `eval.every` divides, the last one to run aside (the caller's final evaluation
-  covers it), evaluates on the held-out tasks after its update. `on_step(record)`: the
+  after that step). A step that `eval.every` divides, the last one to run aside (the
+  caller's final evaluation covers it), evaluates on the held-out tasks after its update. `on_step(record)`: the
   step's `grpo` record, with `"eval"` (that evaluation's record) on a step that
   evaluated. `checkpointer`: the loop resumes from its latest checkpoint, if any, and
   saves one (with `carried`, see `Loop`) after every step `rl.checkpoint_every` divides.

@@ -38,8 +38,8 @@ nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
 `rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
 `eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s),
 `engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s), `rl.checkpoint_every` (0: the
-lockstep loop saves no checkpoints; experiments/grpo.py --resume goes on from the latest). The optimizer recipe of
-`sft` and `rl` (`block_optimizer`): `schedule_steps` (0 or None: the block's `steps`; the
+lockstep loop saves no checkpoints; experiments/grpo.py --resume goes on from the latest).
+The optimizer recipe of `sft` and `rl` (`recipe.block_optimizer`): `schedule_steps` (0 or None: the block's `steps`; the
 cosine decay's horizon, so a longer one leaves the rate above the final one at the run's
 end), `adam_b1` (0.9), `adam_b2` (0.999; required in `rl`), `adam_eps` (1e-8) and
 `clip_norm` (1.0; required in `rl`).
