@@ -20,7 +20,9 @@ the arguments `decode_args` / `prefill_args` describe, with explicit shardings).
 chips on this CPU; the meshes are concrete meshes of them (laid out on the slice's torus),
 and each program is compiled by the TPU compiler (Mosaic for Pallas kernels), whose
 `memory_analysis` (per chip: arguments, outputs, aliases, temps) and `cost_analysis` are
-the TPU's. Without it the mesh is an `AbstractMesh`: any size lowers for any platform
+the TPU's; each compiled program's `hlo` holds its optimized HLO's matmul FLOPs and bytes
+per chip with loops counted as they run (`rljax.hlo_flops`). Without it the mesh is an
+`AbstractMesh`: any size lowers for any platform
 (`trace(...).lower(lowering_platforms=...)`); compiling that needs a device per mesh
 position (`--host_devices=N` simulated CPUs), and XLA:CPU's temps are not a TPU's (it
 expands `ragged_dot` densely over experts and upcasts bf16). An AbstractMesh lowered for

@@ -1,6 +1,7 @@
 """Compiling a program ahead of time, for `rljax.aot`: meshes (abstract, or a TPU slice's
 chips from libtpu's compile-only client, no TPU needed), lowering and compiling on abstract
-arguments, and what the compiler reports (memory and cost analysis per device)."""
+arguments, and what the compiler reports (memory and cost analysis per device, and the
+optimized HLO's matmul FLOPs and bytes with loops counted as they run)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from absl import logging
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
+from rljax import hlo_flops
 from rljax import sharding as sharding_lib
 
 
@@ -94,8 +96,7 @@ def memory_stats(compiled) -> dict[str, int] | None:
 def cost_stats(compiled) -> dict[str, float] | None:
   """The compiler's cost analysis per device: flops, transcendentals, bytes accessed.
   XLA counts a while loop's body once (a scan over layers: one layer), whatever its trip
-  count, so these are not a step's totals (`rljax.aot_report.roofline` counts from the
-  model's shape instead)."""
+  count, so these are not a step's totals (`hlo_stats` counts them)."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
@@ -103,6 +104,24 @@ def cost_stats(compiled) -> dict[str, float] | None:
     return None
   return {k.replace(" ", "_"): float(cost.get(k, 0.0))
           for k in ("flops", "transcendentals", "bytes accessed")}
+
+
+def hlo_stats(compiled) -> dict | None:
+  """Matmul FLOPs and HBM bytes per device from the optimized HLO, every loop body times
+  its trip count (`rljax.hlo_flops`)."""
+  try:
+    count = hlo_flops.count(compiled.as_text())
+  except Exception:  # pylint: disable=broad-except
+    logging.error("counting the HLO failed:\n%s", traceback.format_exc())
+    return None
+  return {"matmul_flops_per_chip": count.flops,
+          "matmul_flops_per_chip_loops_once": count.flops_loops_once,
+          "kernel_flops_per_chip": count.kernel_flops,
+          "bytes_per_chip": count.bytes, "bytes_per_chip_loops_once": count.bytes_loops_once,
+          "loops": [[loop["op"] or loop["while"], loop["trip_count"]] for loop in count.loops],
+          "bounded_loops": count.bounded_loops, "unknown_loops": count.unknown_loops,
+          "conditionals": count.conditionals,
+          "opaque_custom_calls": count.opaque_custom_calls}
 
 
 def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
@@ -138,5 +157,6 @@ def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
     logging.error("compile failed:\n%s", traceback.format_exc())
     return out | {"compile_error": f"{type(e).__name__}: {str(e)[:500]}"}, lowered
   out.update(compiled=True, compile_s=round(time.perf_counter() - t0, 2),
-             memory=memory_stats(compiled), cost=cost_stats(compiled))
+             memory=memory_stats(compiled), cost=cost_stats(compiled),
+             hlo=hlo_stats(compiled))
   return out, lowered

@@ -3,15 +3,19 @@ compiled program in its chip's HBM, and a roofline prediction of step time, MFU 
 decode tokens/s.
 
 The roofline is a prediction, not a measurement (no TPU has run these programs). Its FLOPs
-and bytes are counted from the model's shape (`report["model"]`), because the compiler's
-cost analysis counts a while loop's body once whatever its trip count: the layer scan is
-one layer, the engine's decode loop one step, attention's query chunks one chunk (measured:
-a 3-layer and a 6-layer scanned forward report the same FLOPs). The compiler's numbers are
-printed beside it, per chip and as counted. Collectives are not modelled: the predicted
-time is a lower bound on a step's, the MFU an upper bound.
+and bytes per chip are the compiled programs' own, counted from their optimized HLO with
+every loop body times its trip count (`rljax.hlo_flops`: the compiler's `cost_analysis`
+counts a while body once, so the layer scan is one layer, the engine's decode loop one
+step): step time = max(FLOPs / chip peak, bytes / HBM bandwidth), MFU = model FLOPs /
+(chips x peak x step time); a decode call's counts are divided by its steps. The analytic
+counts from the model's shape (below) stand beside them (`analytic_*`) with their ratio
+(`compiler_over_analytic_*`: remat's recompute, attention over whole key blocks, the tiled
+MoE's padding, the compiler's copies), and are the prediction where a program was not
+compiled. Collectives are not modelled: the predicted time is a lower bound on a step's,
+the MFU an upper bound.
 
-Counts (global, per train step; T tokens in rows of R, L layers, H heads of d, V vocab,
-N the active parameters in layer and head matmuls):
+Analytic counts (global, per train step; T tokens in rows of R, L layers, H heads of d,
+V vocab, N the active parameters in layer and head matmuls):
 * model FLOPs (MFU's numerator): 6 N T + 6 L H d R T (causal attention: half the scores);
 * hardware FLOPs: the layers' matmuls again when rematerialised (8 N T instead of 6), and
   attention over every key block of the row (12 L H d R T; 16 with remat);
@@ -67,9 +71,17 @@ def _layer_matmul_params(m: dict) -> tuple[float, float]:
   return attention + experts + router, d * m["vocab_size"]
 
 
+def _bound(flops: float, nbytes: float, peak: float, bandwidth: float) -> dict:
+  """A step's time on one chip from its FLOPs and HBM bytes (whichever takes longer)."""
+  compute_s, memory_s = flops / peak, nbytes / bandwidth
+  return {"compute_s": compute_s, "memory_s": memory_s, "step_s": max(compute_s, memory_s),
+          "bound": "compute" if compute_s >= memory_s else "memory"}
+
+
 def roofline(report: dict) -> dict:
   """Predicted train step time and MFU, and a rollout host's decode tokens/s, on the
-  report's topology (see the module docstring for what is counted)."""
+  report's topology: from the compiled programs' trip-counted HLO counts where compiled,
+  with the analytic counts beside them (see the module docstring)."""
   generation, _, peak, bandwidth = chip(report["topology"])
   m, train = report["model"], report["train"]
   layers, heads, hd = m["num_hidden_layers"], m["num_attention_heads"], m["head_dim"]
@@ -89,16 +101,15 @@ def roofline(report: dict) -> dict:
   # what a chip computes with: its bf16 shards gathered over fsdp (experts stay put)
   weights_used = d["params_bf16_train"] * report["mesh"].get("fsdp", 1)
   train_bytes = 2 * d["train_state"] + passes * weights_used + d["train_batch"]
-  compute_s = hardware_flops / chips / peak
-  memory_s = train_bytes / bandwidth
-  step_s = max(compute_s, memory_s)
-  out["train"] = {
-      "tokens": tokens, "model_flops": model_flops, "hardware_flops": hardware_flops,
-      "hardware_flops_per_chip": hardware_flops / chips, "bytes_per_chip": train_bytes,
-      "compute_s": compute_s, "memory_s": memory_s, "step_s": step_s,
-      "bound": "compute" if compute_s >= memory_s else "memory",
-      "mfu": model_flops / (chips * peak * step_s),
-      "compiler_flops_per_chip_loops_once": (train.get("cost") or {}).get("flops")}
+  analytic = _bound(hardware_flops / chips, train_bytes, peak, bandwidth)
+  t = {"tokens": tokens, "model_flops": model_flops,
+       "analytic_flops_per_chip": hardware_flops / chips,
+       "analytic_bytes_per_chip": train_bytes, "analytic_step_s": analytic["step_s"],
+       "analytic_mfu": model_flops / (chips * peak * analytic["step_s"])}
+  t.update(_from_compiler(train, t["analytic_flops_per_chip"], train_bytes, 1, peak,
+                          bandwidth) or dict(analytic, source="analytic"))
+  t["mfu"] = model_flops / (chips * peak * t["step_s"])
+  out["train"] = t
 
   _, _, peak, bandwidth = chip(report["decode_topology"])
   decode = report["decode"]
@@ -109,15 +120,40 @@ def roofline(report: dict) -> dict:
   step_flops = 2 * n * slots + 4 * layers * heads * hd * context * slots
   kv_bytes = slots * context * report["kv"]["bytes_per_token"] / host_chips
   step_bytes = d["params_bf16_serving"] + kv_bytes
-  step = max(step_flops / host_chips / peak, step_bytes / bandwidth)
-  out["decode"] = {
-      "slots": slots, "mean_context": context, "chips": host_chips,
-      "flops_per_step": step_flops, "bytes_per_chip_per_step": step_bytes,
-      "step_s": step, "bound": "compute" if step_flops / host_chips / peak >= step_bytes /
-      bandwidth else "memory", "tokens_per_s": slots / step,
-      "peak_flops": peak, "hbm_bytes_per_s": bandwidth,
-      "compiler_flops_per_chip_loops_once": (decode.get("cost") or {}).get("flops")}
+  analytic = _bound(step_flops / host_chips, step_bytes, peak, bandwidth)
+  dec = {"slots": slots, "mean_context": context, "chips": host_chips,
+         "analytic_flops_per_step": step_flops,
+         "analytic_flops_per_chip_per_step": step_flops / host_chips,
+         "analytic_bytes_per_chip_per_step": step_bytes, "analytic_step_s": analytic["step_s"],
+         "analytic_tokens_per_s": slots / analytic["step_s"],
+         "peak_flops": peak, "hbm_bytes_per_s": bandwidth}
+  # one engine call runs steps_per_call decode steps
+  dec.update(_from_compiler(decode, step_flops / host_chips, step_bytes,
+                            decode.get("steps_per_call", 1), peak, bandwidth)
+             or dict(analytic, source="analytic"))
+  dec["tokens_per_s"] = slots / dec["step_s"]
+  out["decode"] = dec
   return out
+
+
+def _from_compiler(program: dict, analytic_flops: float, analytic_bytes: float, steps: int,
+                   peak: float, bandwidth: float) -> dict | None:
+  """The roofline of a compiled program's trip-counted HLO FLOPs and bytes per chip (a
+  call of `steps` steps: per step), with their ratios to the analytic counts; None when it
+  was not compiled (the prediction is then the analytic one)."""
+  hlo = program.get("hlo")
+  if not hlo:
+    return None
+  flops, nbytes = hlo["matmul_flops_per_chip"] / steps, hlo["bytes_per_chip"] / steps
+  return {"source": "compiler", "compiler_flops_per_chip": flops,
+          "compiler_bytes_per_chip": nbytes,
+          "compiler_over_analytic_flops": flops / analytic_flops,
+          "compiler_over_analytic_bytes": nbytes / analytic_bytes,
+          "compiler_loops_unknown": len(hlo["unknown_loops"]),
+          "compiler_loops_at_upper_bound": len(hlo["bounded_loops"]),
+          "compiler_conditionals": hlo["conditionals"],
+          "xla_cost_analysis_flops_per_chip_loops_once": (program.get("cost") or {}).get(
+              "flops"), **_bound(flops, nbytes, peak, bandwidth)}
 
 
 def table(report: dict) -> str:
@@ -182,13 +218,19 @@ def topology_lines(report: dict) -> list[str]:
     lines.append(f"  {name}: peak {f['peak_gib']} GiB a chip = {f['hbm_share']:.0%} of HBM"
                  f" ({'fits' if f['fits'] else 'DOES NOT FIT'})")
   r = roofline(report)
-  t, dec = r["train"], r["decode"]
+  t, dec, peak, bandwidth = r["train"], r["decode"], r["peak_flops"], r["hbm_bytes_per_s"]
+
+  def counted(x: dict) -> str:
+    return (f"HLO, {x['compiler_over_analytic_flops']:.2f}x the analytic FLOPs"
+            if x["source"] == "compiler" else "analytic")
   lines += [
       "roofline (a prediction: no collectives; see rljax/aot_report.py):",
-      f"  train step: {t['tokens']:,} tokens, {t['hardware_flops_per_chip'] / 1e12:.1f} TFLOP "
-      f"and {t['bytes_per_chip'] / 1e9:.1f} GB a chip -> {t['step_s']:.3f} s "
-      f"({t['bound']}-bound), MFU <= {t['mfu']:.0%}",
+      f"  train step: {t['tokens']:,} tokens, {t['compute_s'] * peak / 1e12:.1f} TFLOP and "
+      f"{t['memory_s'] * bandwidth / 1e9:.1f} GB a chip ({counted(t)}) -> {t['step_s']:.3f} s "
+      f"({t['bound']}-bound), MFU <= {t['mfu']:.0%} (analytic: {t['analytic_step_s']:.3f} s,"
+      f" {t['analytic_mfu']:.0%})",
       f"  decode: {dec['slots']} slots at context {dec['mean_context']:.0f} on {dec['chips']} "
-      f"chips: {dec['step_s'] * 1e3:.2f} ms a step ({dec['bound']}-bound), "
-      f"{dec['tokens_per_s']:,.0f} tokens/s"]
+      f"chips: {dec['step_s'] * 1e3:.2f} ms a step ({counted(dec)}, "
+      f"{dec['bound']}-bound), {dec['tokens_per_s']:,.0f} tokens/s (analytic: "
+      f"{dec['analytic_tokens_per_s']:,.0f})"]
   return lines
