@@ -7,12 +7,15 @@ and bytes per chip are the compiled programs' own, counted from their optimized 
 every loop body times its trip count (`rljax.hlo_flops`: the compiler's `cost_analysis`
 counts a while body once, so the layer scan is one layer, the engine's decode loop one
 step): step time = max(FLOPs / chip peak, bytes / HBM bandwidth), MFU = model FLOPs /
-(chips x peak x step time); a decode call's counts are divided by its steps. The analytic
-counts from the model's shape (below) stand beside them (`analytic_*`) with their ratio
-(`compiler_over_analytic_*`: remat's recompute, attention over whole key blocks, the tiled
-MoE's padding, the compiler's copies), and are the prediction where a program was not
-compiled. Collectives are not modelled: the predicted time is a lower bound on a step's,
-the MFU an upper bound.
+(chips x peak x step time); a decode call's counts are divided by its steps (its loop
+counted at steps_per_call, an upper bound: it stops when every slot is done; its switch
+over context buckets at the largest, a full max_seq_len, where the analytic count takes
+a mean context of half that). The analytic counts from the model's shape (below) stand
+beside them (`analytic_*`) with their ratio (`compiler_over_analytic_*`: remat's
+recompute, attention over whole key blocks, the MoE's padding and masked expert work,
+the compiler's copies), and are the prediction where a program was not compiled.
+Collectives are not modelled: the predicted time is a lower bound on a step's, the MFU an
+upper bound.
 
 Analytic counts (global, per train step; T tokens in rows of R, L layers, H heads of d,
 V vocab, N the active parameters in layer and head matmuls):

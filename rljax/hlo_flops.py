@@ -9,14 +9,18 @@ variable's constant start in the while's operand tuple and constant step in the 
 compared against a constant. A condition `i < N and more` (the engine's decode loop,
 which stops early when every slot is done) proves at most N: counted at N and listed in
 `bounded_loops`; a count nothing proves is taken as 1 and listed in `unknown_loops`.
-Fusions, calls and async wrappers descend; a conditional counts its largest branch.
+Fusions, calls and async wrappers descend; a conditional counts the branch with the most
+FLOPs (then bytes): what the program may cost, not what a given input takes.
 
 FLOPs: dots (2 x output elements x contracted size), convolutions (the TPU compiler's
 matmuls: 2 x output elements x the kernel's input features x its window) and kernels'
 own `cost_estimate`s (Mosaic custom calls: Pallas kernels, the TPU's ragged_dot); a custom
 call without one is listed in `opaque_custom_calls`, uncounted.
 Bytes: each top-level op's operands and outputs (a fusion is one op: its inner values stay
-on chip); a slice of a stacked array counts the slice, an in-place update its update.
+on chip); a slice of a stacked array counts the slice (through nested fusions), an
+in-place update (dynamic-update-slice, scatter) its update. With each loop body once this
+is XLA's own `bytes accessed` on XLA:CPU; the TPU's counts differ in kind (its
+memory-space copies) but not in size.
 """
 
 from __future__ import annotations
@@ -25,25 +29,13 @@ import dataclasses
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"(\w+)\[([^\]]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+from rljax.hlo_text import Instruction, attr, dims, names, parse, type_bytes
+
 # ops that move no HBM bytes of their own (views, plumbing, or counted at their -start)
 _NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
              "partition-id", "replica-id", "opt-barrier", "while", "conditional", "call"}
 _SLICES = ("dynamic-slice", "slice", "gather")
-
-
-@dataclasses.dataclass
-class Instruction:
-  name: str
-  type: str  # "bf16[64,4096]{1,0}" or a tuple "(s32[], f32[8,16]{1,0})"
-  opcode: str
-  operands: list[str]
-  attrs: str
-  literal: str  # what the parentheses hold (a constant's value, a parameter's number)
+_UPDATES = {"dynamic-update-slice": 1, "scatter": 2}  # in place: operand 0; its update
 
 
 @dataclasses.dataclass
@@ -56,97 +48,41 @@ class HloCount:
   loops: list[dict]  # {"while", "op", "trip_count" (None: unknown), "exact"}
   bounded_loops: list[str]  # counted at a proved upper bound (they may stop early)
   unknown_loops: list[str]  # counted once: no trip count could be proved
-  conditionals: int  # conditionals seen (their largest branch counted)
+  conditionals: int  # conditionals seen (their costliest branch counted)
   opaque_custom_calls: dict[str, int]  # custom-call targets without a cost estimate -> ops
 
 
-def _balanced(text: str, start: int) -> int:
-  """The index of the bracket closing the one at text[start]."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += {"(": 1, ")": -1}.get(text[i], 0)
-    if depth == 0:
-      return i
-  raise ValueError(f"unbalanced: {text[start:start + 80]!r}")
-
-
-def _parse_instruction(line: str) -> Instruction | None:
-  m = _INSTRUCTION.match(re.sub(r"/\*.*?\*/", "", line))
-  if not m:
-    return None
-  rest = m.group(2)
-  end = _balanced(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-  type_, rest = rest[:end], rest[end:].lstrip()
-  op = re.match(r"([\w\-]+)\(", rest)
-  if not op:
-    return None
-  close = _balanced(rest, op.end() - 1)
-  inside = rest[op.end():close]
-  return Instruction(m.group(1), type_, op.group(1), re.findall(r"%([\w.\-]+)", inside),
-                     rest[close + 1:], inside.strip())
-
-
-def parse(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
-  """HLO text -> ({computation: {instruction name: Instruction}} in order, ENTRY's name)."""
-  comps: dict[str, dict[str, Instruction]] = {}
-  entry, current = None, None
-  for line in text.splitlines():
-    if current is None:
-      head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-      if head:
-        current = comps.setdefault(head.group(2), {})
-        entry = head.group(2) if head.group(1) else entry
-    elif line.startswith("}"):  # "}" or '}, execution_thread="sparsecore"'
-      current = None
-    elif (inst := _parse_instruction(line)) is not None:
-      current[inst.name] = inst
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  return comps, entry
-
-
-def _dims(type_: str) -> list[int]:
-  m = _ARRAY.search(type_)
-  return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d] if m else []
-
-
-def type_bytes(type_: str) -> float:
-  """Bytes of an array or tuple type ("token[]" and unknown element types: 0)."""
-  return sum(_DTYPE_BYTES.get(dt, 0) * math.prod(int(d.lstrip("<=")) for d in dims.split(",")
-                                                  if d) for dt, dims in _ARRAY.findall(type_))
-
-
-def _attr(attrs: str, key: str) -> str | None:
-  m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\->]+)", attrs)
-  return m.group(1).lstrip("%") if m else None
-
-
-def _names(value: str | None) -> list[str]:
-  return re.findall(r"%?([\w.\-]+)", value.strip("{}")) if value else []
-
-
 def _matmul_flops(inst: Instruction, comp: dict[str, Instruction]) -> float:
-  out = math.prod(_dims(inst.type))
+  out = math.prod(dims(inst.type))
   if inst.opcode == "dot":
-    lhs = _dims(comp[inst.operands[0]].type)
-    contracting = _names(_attr(inst.attrs, "lhs_contracting_dims"))
+    lhs = dims(comp[inst.operands[0]].type)
+    contracting = names(attr(inst.attrs, "lhs_contracting_dims"))
     return 2.0 * out * math.prod(lhs[int(d)] for d in contracting)
   # convolution: dim_labels like "bf_io->bf", "0fb_0io->0bf": 'i' the kernel's input
   # features, digits the spatial dims, whose window positions count where they meet input
   # (not padding, not the holes of lhs_dilate: the TPU writes batched matmuls so)
-  labels = [part.split("_") for part in _attr(inst.attrs, "dim_labels").split("->")]
+  labels = [part.split("_") for part in attr(inst.attrs, "dim_labels").split("->")]
   (lhs_l, rhs_l), out_l = labels[0], labels[1][0]
-  lhs, rhs = (_dims(comp[o].type) for o in inst.operands[:2])
-  window = dict(re.findall(r"(\w+)=([\dx_\-]+)", _attr(inst.attrs, "window") or ""))
+  lhs, rhs = (dims(comp[o].type) for o in inst.operands[:2])
+  window = {k: [int(n) for n in re.findall(r"-?\d+", v)] for k, v in re.findall(
+      r"(\w+)=([\dx_\-]+)", attr(inst.attrs, "window") or "")}
   macs = out * math.prod(n for n, c in zip(rhs, rhs_l) if c == "i")
   for d in range(sum(c.isdigit() for c in rhs_l)):
-    field = lambda key, default: int(window[key].split("x")[d]) if key in window else default  # noqa: E731
-    lo = int(window["pad"].split("x")[d].split("_")[0]) if "pad" in window else 0
-    size, outs = rhs[rhs_l.index(str(d))], _dims(inst.type)[out_l.index(str(d))]
-    stride, dilate, rdilate = field("stride", 1), field("lhs_dilate", 1), field("rhs_dilate", 1)
-    span = (lhs[lhs_l.index(str(d))] - 1) * dilate
-    hits = sum(1 for o in range(outs) for j in range(size)
-               if 0 <= (p := o * stride + j * rdilate - lo) <= span and p % dilate == 0)
+    stride, dilate, rdilate = (window.get(k, [1] * (d + 1))[d]
+                               for k in ("stride", "lhs_dilate", "rhs_dilate"))
+    lo = window["pad"][2 * d] if "pad" in window else 0
+    outs = dims(inst.type)[out_l.index(str(d))]
+    span = (lhs[lhs_l.index(str(d))] - 1) * dilate  # the dilated input's last position
+    hits = 0
+    for o in range(outs):  # window positions o * stride + j * rdilate - lo on input
+      base = o * stride - lo
+      if dilate == 1:  # every position in [0, span] is input
+        first, last = max(0, -(base // rdilate)), min(rhs[rhs_l.index(str(d))] - 1,
+                                                      (span - base) // rdilate)
+        hits += max(0, last - first + 1)
+      else:
+        hits += sum(1 for j in range(rhs[rhs_l.index(str(d))])
+                    if 0 <= base + j * rdilate <= span and (base + j * rdilate) % dilate == 0)
     macs = macs // outs * hits
   return 2.0 * macs
 
@@ -166,6 +102,7 @@ class _Counter:
     self.loops: list[dict] = []
     self.conditionals = 0
     self.opaque: dict[str, int] = {}
+    self.users: dict[str, dict[str, list[Instruction]]] = {}
 
   def root(self, comp: str) -> Instruction:
     return list(self.comps[comp].values())[-1]
@@ -184,20 +121,15 @@ class _Counter:
     if op == "get-tuple-element" and env.get(0) == "state":
       source = self.comps[comp][args[0]]
       if source.opcode == "parameter" and source.literal == "0":
-        return ("iv", int(_attr(inst.attrs, "index")), 0)
+        return ("iv", int(attr(inst.attrs, "index")), 0)
     if op == "fusion":
-      called = _attr(inst.attrs, "calls")
+      called = attr(inst.attrs, "calls")
       inner = {i: self.value(comp, o, env) for i, o in enumerate(args)}
       return self.value(called, self.root(called).name, inner)
-    if op in ("add", "subtract") and len(args) == 2:
-      a, b = (self.value(comp, o, env) for o in args)
-      sign = 1 if op == "add" else -1
-      if isinstance(a, int) and isinstance(b, int):
-        return a + sign * b
-      if isinstance(a, tuple) and isinstance(b, int):
-        return (*a[:2], a[2] + sign * b)
-      if isinstance(a, int) and isinstance(b, tuple) and sign == 1:
-        return (*b[:2], b[2] + a)
+    if op == "add" and len(args) == 2:
+      a, b = sorted((self.value(comp, o, env) for o in args), key=lambda v: type(v) is int)
+      if isinstance(a, tuple) and isinstance(b, int):  # i + step
+        return (*a[:2], a[2] + b)
     return None
 
   def compares(self, comp: str, name: str, env: dict, exact: bool = True):
@@ -205,7 +137,7 @@ class _Counter:
     through `and`, requires: not exact), through fusions."""
     inst = self.comps[comp][name]
     if inst.opcode == "fusion":
-      called = _attr(inst.attrs, "calls")
+      called = attr(inst.attrs, "calls")
       inner = {i: self.value(comp, o, env) for i, o in enumerate(inst.operands)}
       yield from self.compares(called, self.root(called).name, inner, exact)
     elif inst.opcode == "and":
@@ -213,14 +145,14 @@ class _Counter:
         yield from self.compares(comp, o, env, exact=False)
     elif inst.opcode == "compare":
       values = tuple(self.value(comp, o, env) for o in inst.operands)
-      yield values, _attr(inst.attrs, "direction"), exact
+      yield values, attr(inst.attrs, "direction"), exact
 
   def trip_count(self, comp: str, inst: Instruction) -> tuple[int | None, bool]:
     """(trips, exact): exact False is an upper bound; (None, False) nothing proved."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', inst.attrs)
     if known:
       return int(known.group(1)), True
-    cond, body = _attr(inst.attrs, "condition"), _attr(inst.attrs, "body")
+    cond, body = attr(inst.attrs, "condition"), attr(inst.attrs, "body")
     init, step_root = self.comps[comp][inst.operands[0]], self.root(body)
     if init.opcode != "tuple" or step_root.opcode != "tuple":
       return None, False
@@ -253,30 +185,45 @@ class _Counter:
       return sum(operands)
     if inst.opcode in _SLICES:
       return 2 * type_bytes(inst.type)
-    if inst.opcode == "dynamic-update-slice":
-      return 2 * operands[1]
+    if inst.opcode in _UPDATES:
+      return 2 * operands[_UPDATES[inst.opcode]]
     if inst.opcode != "fusion":
       return sum(operands) + type_bytes(inst.type)
-    fused = self.comps[_attr(inst.attrs, "calls")]
-    params = {int(i.literal): i.name for i in fused.values() if i.opcode == "parameter"}
-    users: dict[str, list[Instruction]] = {}
-    for i in fused.values():
-      for o in i.operands:
-        users.setdefault(o, []).append(i)
-    total = 0.0
-    for n, size in enumerate(operands):
-      used = users.get(params.get(n), [])
-      if used and all(u.opcode in _SLICES and u.operands[0] == params[n] for u in used):
-        size = sum(type_bytes(u.type) for u in used)  # reads only its slices
-      elif used and all(u.opcode == "dynamic-update-slice" and u.operands[0] == params[n]
-                        for u in used):
-        size = 0.0  # updated in place: the update is written, the rest untouched
-      total += size
-    root = self.root(_attr(inst.attrs, "calls"))
+    called = attr(inst.attrs, "calls")
+    params = {int(i.literal): i.name for i in self.comps[called].values()
+              if i.opcode == "parameter"}
+    total = sum(self.read(called, params[n], size) for n, size in enumerate(operands))
+    root, fused = self.root(called), self.comps[called]
     for out in [fused[o] for o in root.operands] if root.opcode == "tuple" else [root]:
-      total += type_bytes(fused[out.operands[1]].type if out.opcode == "dynamic-update-slice"
-                          else out.type)
+      total += type_bytes(fused[out.operands[_UPDATES[out.opcode]]].type
+                          if out.opcode in _UPDATES else out.type)
     return total
+
+  def read(self, comp: str, name: str, full: float) -> float:
+    """Bytes a fusion reads of its parameter `name` (`full` in all): only the slices its
+    users take, through views and nested fusions; nothing of an array updated in place."""
+    if comp not in self.users:
+      self.users[comp] = {}
+      for i in self.comps[comp].values():
+        for o in i.operands:
+          self.users[comp].setdefault(o, []).append(i)
+    total = 0.0
+    for u in self.users[comp].get(name, []):
+      if u.opcode in _SLICES and u.operands[0] == name:
+        total += type_bytes(u.type)
+      elif u.opcode in _UPDATES and u.operands[0] == name and u.operands.count(name) == 1:
+        continue  # the update is the output's
+      elif u.opcode in ("bitcast", "reshape"):
+        total += self.read(comp, u.name, full)
+      elif u.opcode == "fusion":
+        inner = attr(u.attrs, "calls")
+        params = {int(i.literal): i.name for i in self.comps[inner].values()
+                  if i.opcode == "parameter"}
+        total += sum(self.read(inner, params[n], full)
+                     for n, o in enumerate(u.operands) if o == name)
+      else:
+        return full
+    return min(total, full)
 
   def walk(self, name: str, top: bool) -> list[float]:
     """[flops, flops loops once, bytes, bytes loops once, kernel flops] of a computation;
@@ -294,7 +241,7 @@ class _Counter:
       kernel = _estimate(inst, "flops") if inst.opcode == "custom-call" else 0.0
       nbytes = self.op_bytes(inst, comp) if top else 0.0
       add([flops + kernel, flops + kernel, nbytes, nbytes, kernel])
-      called = _names(_attr(inst.attrs, "calls")) + _names(_attr(inst.attrs,
+      called = names(attr(inst.attrs, "calls")) + names(attr(inst.attrs,
                                                                  "called_computations"))
       if inst.opcode == "while":
         trips, exact = self.trip_count(name, inst)
@@ -302,15 +249,15 @@ class _Counter:
         self.loops.append({"while": inst.name, "op": op.group(1) if op else None,
                            "trip_count": trips, "exact": exact})
         for part in ("body", "condition"):
-          add(self.walk(_attr(inst.attrs, part), True), 1 if trips is None else trips)
+          add(self.walk(attr(inst.attrs, part), True), 1 if trips is None else trips)
       elif inst.opcode == "conditional":
         self.conditionals += 1
-        branches = (_names(_attr(inst.attrs, "branch_computations")) or
-                    [_attr(inst.attrs, k) for k in ("true_computation", "false_computation")])
+        branches = (names(attr(inst.attrs, "branch_computations")) or
+                    [attr(inst.attrs, k) for k in ("true_computation", "false_computation")])
         counts = [self.walk(c, True) for c in branches]
-        add([max(c[i] for c in counts) for i in range(5)])
+        add(max(counts, key=lambda c: (c[0], c[2])))  # the most FLOPs, then bytes
       elif inst.opcode in ("call", "call-start"):  # (a reduce's to_apply is no call)
-        for c in _names(_attr(inst.attrs, "to_apply")):
+        for c in names(attr(inst.attrs, "to_apply")):
           add(self.walk(c, top and inst.opcode == "call"))
       elif inst.opcode == "custom-call" and not kernel and not called:
         target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
