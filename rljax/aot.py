@@ -322,4 +322,5 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
                "adapter_params": count_params(lora_state.params)},
       "model": {f: getattr(cfg, f) for f in MODEL_FIELDS} | {
           "moe_layers": len(cfg.moe_layers())},
-      "numerics": numerics.mode}
+      "numerics": numerics.mode,
+      "kernels": {"det_attention": cfg.det_attention, "expert_kernel": cfg.expert_kernel}}

@@ -121,7 +121,9 @@ def hlo_stats(compiled) -> dict | None:
           "loops": [[loop["op"] or loop["while"], loop["trip_count"]] for loop in count.loops],
           "bounded_loops": count.bounded_loops, "unknown_loops": count.unknown_loops,
           "conditionals": count.conditionals,
-          "opaque_custom_calls": count.opaque_custom_calls}
+          "opaque_custom_calls": count.opaque_custom_calls,
+          # call sites of Pallas kernels compiled by Mosaic, in the optimized program
+          "mosaic_kernel_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"')}
 
 
 def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,

@@ -6,6 +6,12 @@ Prints one JSON object:
   log-prob bits equal the 1-device engine's, the max |difference|, and how the page pool
   is placed; whether the 1-device trainer's log-probs equal the sharded engine's; the
   error for too few slots per device.
+* kernels: the deterministic attention kernel (interpreted) under `shard_map` on a mesh:
+  an engine on {data: 2, expert: 4} and the training forward on {data: 2, fsdp: 2,
+  expert: 2}, against the 1-device jnp engine: tokens and log-prob bits. (The expert
+  kernel is the TPU kernel, whose interpreter simulates the mesh's devices with one
+  barrier shared by every kernel call: a program with several calls per device deadlocked
+  here. Its sharded programs are compiled by Mosaic in test_tpu_compile.)
 * host: a RolloutHost with `config.engine.mesh` = {data: 2, expert: 4} following a keyframe
   and a delta: its groups against a 1-device engine's, bitwise; the subscriber's arrays
   sharded by the decode rules, patched in place.
@@ -23,6 +29,7 @@ from rljax.numerics import install_deterministic_xla_flags  # noqa: E402
 
 install_deterministic_xla_flags()
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -33,7 +40,7 @@ import tensorstore as ts  # noqa: E402
 from rljax import envs  # noqa: E402
 from rljax import sharding as sharding_lib  # noqa: E402
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams  # noqa: E402
-from rljax.model import ModelConfig, forward, init_params  # noqa: E402
+from rljax.model import ModelConfig, forward, init_params, param_shardings  # noqa: E402
 from rljax.model.packing import pack, unpack  # noqa: E402
 from rljax.model.params import cast, scale_matrices  # noqa: E402
 from rljax.numerics import Numerics  # noqa: E402
@@ -56,18 +63,23 @@ def records(trajs):
                                            np.asarray(t.behaviour_logprobs)) for t in trajs}
 
 
-def trainer_logprobs(cfg, params, trajs):
-  """The training forward's log-probs of each completion (one device, packed rows)."""
-  p = pack([t.tokens for t in trajs], 128, cfg.page_size)
+def trainer_logprobs(cfg, params, trajs, sharding=None):
+  """The training forward's log-probs of each completion (packed rows; one device, or the
+  rows split over `sharding`'s mesh)."""
+  p = pack([t.tokens for t in trajs], 128, cfg.page_size, num_rows=8 if sharding else None)
   targets = np.concatenate([p.tokens[:, 1:], np.zeros_like(p.tokens[:, :1])], axis=1)
-  out = jax.jit(lambda prm: forward(prm, p.tokens, p.positions, cfg=cfg, numerics=DET,
-                                    segment_ids=p.segment_ids, targets=targets))(params)
+  batch = (p.tokens, p.positions, p.segment_ids, targets)
+  if sharding is not None:
+    params = jax.device_put(params, param_shardings(cfg, sharding))
+    batch = jax.device_put(batch, sharding.named(("batch", None)))
+  out = jax.jit(lambda prm, b: forward(prm, b[0], b[1], cfg=cfg, numerics=DET, segment_ids=b[2],
+                                       targets=b[3], sharding=sharding))(params, batch)
   lps = unpack(np.asarray(out.logprobs), p)
   return {(t.request_id, t.sample_index): lp[len(t.prompt_ids) - 1:len(t.tokens) - 1]
           for t, lp in zip(trajs, lps)}
 
 
-def engine_results():
+def _setup():
   cfg = ModelConfig(**MODEL).resolved("cpu", "deterministic")
   params = cast(scale_matrices(init_params(cfg, jax.random.key(0), "float32"), 10.0),
                 "bfloat16")
@@ -75,31 +87,44 @@ def engine_results():
   reqs = [Request(request_id=100 + i, prompt_ids=rng.integers(3, cfg.vocab_size,
                                                               size=int(rng.integers(3, 16))),
                   n=4, seed=11, sampling=SamplingParams(max_new_tokens=16)) for i in range(6)]
+  return cfg, params, reqs
 
-  def run(sharding):
-    t0 = time.perf_counter()
-    eng = DecodeEngine(cfg, params, numerics=DET, num_slots=SLOTS, max_seq_len=64, eos_id=2,
-                       sharding=sharding)
-    trajs = eng.generate(reqs)
-    print(f"engine {sharding and dict(sharding.mesh.shape)}: {time.perf_counter() - t0:.1f} s "
-          f"traces {dict(eng.trace_counts)}", file=sys.stderr)
-    return eng, trajs
 
-  _, ref_trajs = run(None)
+def _run(cfg, params, reqs, sharding):
+  t0 = time.perf_counter()
+  eng = DecodeEngine(cfg, params, numerics=DET, num_slots=SLOTS, max_seq_len=64, eos_id=2,
+                     sharding=sharding)
+  trajs = eng.generate(reqs)
+  print(f"engine {sharding and dict(sharding.mesh.shape)}: {time.perf_counter() - t0:.1f} s "
+        f"traces {dict(eng.trace_counts)}", file=sys.stderr)
+  return eng, trajs
+
+
+def _compare(got, ref):
+  return {
+      "same_keys": sorted(got) == sorted(ref),
+      "tokens_equal": all(np.array_equal(got[k][0], ref[k][0]) for k in ref),
+      "logprob_bits_equal": all(np.array_equal(got[k][1].view(np.uint32),
+                                               ref[k][1].view(np.uint32)) for k in ref),
+      "logprob_max_abs_diff": max(float(np.max(np.abs(got[k][1] - ref[k][1])))
+                                  for k in ref if got[k][1].shape == ref[k][1].shape)}
+
+
+def _decode_sharding(shape):
+  return sharding_lib.Sharding(sharding_lib.make_mesh(shape), sharding_lib.DECODE_RULES)
+
+
+def engine_results():
+  cfg, params, reqs = _setup()
+  _, ref_trajs = _run(cfg, params, reqs, None)
   ref = records(ref_trajs)
   out = {}
   for name, shape in LAYOUTS.items():
-    sharding = sharding_lib.Sharding(sharding_lib.make_mesh(shape), sharding_lib.DECODE_RULES)
-    eng, trajs = run(sharding)
+    eng, trajs = _run(cfg, params, reqs, _decode_sharding(shape))
     got = records(trajs)
     pool = eng.pools[0]
     out[name] = {
-        "same_keys": sorted(got) == sorted(ref),
-        "tokens_equal": all(np.array_equal(got[k][0], ref[k][0]) for k in ref),
-        "logprob_bits_equal": all(np.array_equal(got[k][1].view(np.uint32),
-                                                 ref[k][1].view(np.uint32)) for k in ref),
-        "logprob_max_abs_diff": max(float(np.max(np.abs(got[k][1] - ref[k][1])))
-                                    for k in ref if got[k][1].shape == ref[k][1].shape),
+        **_compare(got, ref),
         "pool_spec": str(pool.sharding.spec),
         "pool_pages": pool.shape[1],
         "pool_pages_per_device": pool.addressable_shards[0].data.shape[1],
@@ -115,6 +140,22 @@ def engine_results():
     out["too_few_slots_error"] = None
   except ValueError as e:
     out["too_few_slots_error"] = str(e)
+  return out
+
+
+def kernel_results():
+  """The attention kernel (interpreted: the jnp path's bits) on meshes, against the jnp
+  engine on one device: engine tokens and log-prob bits, and the sharded trainer's."""
+  cfg, params, reqs = _setup()
+  _, ref_trajs = _run(cfg, params, reqs, None)
+  ref = records(ref_trajs)
+  kernels = dataclasses.replace(cfg, det_attention="pallas_interpret")
+  _, trajs = _run(kernels, params, reqs, _decode_sharding({"data": 2, "expert": 4}))
+  out = _compare(records(trajs), ref)
+  train = trainer_logprobs(kernels, params, trajs, sharding_lib.Sharding(
+      sharding_lib.make_mesh({"data": 2, "fsdp": 2, "expert": 2})))
+  out["trainer_bits_equal"] = all(
+      np.array_equal(train[k].view(np.uint32), ref[k][1].view(np.uint32)) for k in ref)
   return out
 
 
@@ -190,9 +231,9 @@ def host_results():
 
 def main():
   assert jax.device_count() == 8, jax.devices()
-  parts = sys.argv[1:] or ["engine", "host"]
-  print(json.dumps({part: {"engine": engine_results, "host": host_results}[part]()
-                    for part in parts}))
+  parts = sys.argv[1:] or ["engine", "kernels", "host"]
+  print(json.dumps({part: {"engine": engine_results, "kernels": kernel_results,
+                           "host": host_results}[part]() for part in parts}))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ LAYOUTS = {
     # more do not sum in a fixed order, so these are reported, not promised
     "model2_data4": {"model": 2, "data": 4},
     "model4_data2": {"model": 4, "data": 2},
+    # experts under shard_map with a model axis: weights gathered over it, tokens split
+    # (split expert widths left each model shard a partial sum: log-probs off by 1.5)
+    "expert2_model2_data2": {"expert": 2, "model": 2, "data": 2},
 }
 
 

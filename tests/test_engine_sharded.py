@@ -1,7 +1,7 @@
 """The decode engine and a rollout host on a mesh of 8 simulated CPU devices (decode rules:
 weights replicated over fsdp, slots and the KV page pool split over data/fsdp/expert).
 
-Both run in worker processes (`engine_sharded_worker.py`), started together."""
+They run in worker processes (`engine_sharded_worker.py`), started together."""
 
 import json
 import os
@@ -18,7 +18,7 @@ WORKER = pathlib.Path(__file__).parent / "engine_sharded_worker.py"
 def results():
   procs = {part: subprocess.Popen([sys.executable, str(WORKER), part], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-           for part in ("engine", "host")}
+           for part in ("engine", "kernels", "host")}
   out = {}
   for part, proc in procs.items():
     stdout, stderr = proc.communicate(timeout=600)
@@ -38,6 +38,17 @@ def test_deterministic_sharded_engine_is_bitwise_the_one_device_engine(results, 
 @pytest.mark.multidevice
 def test_sharded_engine_logprobs_are_the_trainers_bitwise(results):
   assert results["engine"]["data8"]["trainer_bits_equal"]
+
+
+@pytest.mark.multidevice
+def test_the_attention_kernel_on_a_mesh_keeps_engine_and_trainer_bitwise(results):
+  """Deterministic attention by the Pallas kernel (interpreted) under shard_map: the engine
+  on {data 2, expert 4} (a row's pages gathered, then the packed kernel) and the training
+  forward on {data 2, fsdp 2, expert 2} give the 1-device jnp engine's tokens and bits."""
+  r = results["kernels"]
+  assert r["same_keys"] and r["tokens_equal"]
+  assert r["logprob_bits_equal"], r["logprob_max_abs_diff"]
+  assert r["trainer_bits_equal"]
 
 
 @pytest.mark.multidevice

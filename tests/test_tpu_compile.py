@@ -79,6 +79,29 @@ def test_the_roofline_predicts_from_the_compilers_counts(sharded):
   assert "HLO, " in "\n".join(aot_report.topology_lines(sharded))
 
 
+@pytest.fixture(scope="module")
+def deterministic_sharded():
+  """Deterministic numerics, so "auto" picks the Pallas kernels on TPU: the grouped matmul
+  and det attention (head_dim 128: Mosaic's lane width); 8 slots per chip, as the
+  deterministic engine asks."""
+  config = tiny({"fsdp": 2, "expert": 2})
+  config.numerics = "deterministic"
+  config.model.head_dim = 128
+  return aot.check(config, topology="v5p:2x2x1", num_slots=32, max_seq_len=64)
+
+
+def test_the_kernels_compile_in_sharded_programs(deterministic_sharded):
+  """On a mesh each kernel runs per chip under shard_map (XLA cannot partition a Mosaic
+  call: without it, lowering these programs failed); Mosaic compiles them in the train
+  step, the decode loop and the prefill."""
+  r = deterministic_sharded
+  assert r["kernels"] == {"det_attention": "pallas_tpu", "expert_kernel": "pallas_tpu"}
+  for name in aot.DEFAULT_PROGRAMS:
+    assert r[name]["compiled"], (name, r[name])
+    # forward: 2 MoE layers x 3 grouped matmuls + attention, scanned (one call site each)
+    assert r[name]["hlo"]["mosaic_kernel_calls"] >= 2, (name, r[name]["hlo"])
+
+
 def test_the_donated_train_state_is_aliased(sharded):
   """The compiler aliases at least the train state's per-chip bytes (its shards' sizes;
   TPU layouts pad small arrays to (8, 128) tiles, so the compiler's are larger): the step

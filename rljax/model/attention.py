@@ -3,7 +3,10 @@
 `PagedKV` (a page pool per layer and each row's page table), `write_pages`, and
 `attend_paged`: `rljax.block_attention.attend` over the pages a row's queries can see;
 in deterministic numerics optionally by the Pallas kernels of the same tiling
-(`attend_det_kernel`, `attend_paged_det_kernel`).
+(`attend_det_kernel`, `attend_paged_det_kernel`). XLA cannot partition a kernel call, so on a
+mesh the kernels run under `jax.shard_map`, each device on its own rows and heads
+(`per_device`); there the engine gathers a row's pages first (a sharded pool does not keep a
+slot's pages on the slot's device) and the packed kernel attends over them.
 The block schedule that makes a decode step's logits the training forward's bits is
 described in `rljax.block_attention`.
 """
@@ -22,6 +25,7 @@ from pallas_kernels import det_attention as det_kernels
 from rljax.block_attention import NEG, as_values, attend, gather_blocks  # noqa: F401
 from rljax.model.config import KERNELS
 from rljax.numerics import FAST, Numerics
+from rljax.sharding import Sharding
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +76,8 @@ def write_pages(pool: jax.Array, new: jax.Array, page_table: jax.Array,
 
 def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
                  q_index: jax.Array, *, layer: int | None = None, dtype, numerics: Numerics,
-                 scale: float, per_kv_head: bool = True) -> jax.Array:
+                 scale: float, per_kv_head: bool = True, kernel: str | None = None,
+                 sharding: Sharding | None = None) -> jax.Array:
   """`attend` over the row's pages, reading only the blocks some query can see.
 
   The gathered width is chosen on device among power-of-two block counts (1, 2, 4, ...,
@@ -81,6 +86,8 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
   is an exact no-op (module docstring), so the result is the same bits as over all
   `max_blocks`; the work follows the longest live sequence, not `max_seq_len`.
   q: [B, T, H, D]; pools: see `gather_blocks`; page_table [B, max_blocks]; q_index [B, T].
+  `kernel` (deterministic numerics): the gathered blocks are attended by that Pallas
+  kernel (`attend_det_kernel`, per device on `sharding`'s mesh) instead of `attend`.
   """
   page_size = k_pool.shape[-3]
   max_blocks = page_table.shape[1]
@@ -93,6 +100,9 @@ def attend_paged(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
     def f(q, k_pool, v_pool, page_table, q_index):
       keys = gather_blocks(k_pool, page_table[:, :nb], layer, dtype=dtype)
       values = gather_blocks(v_pool, page_table[:, :nb], layer, dtype=dtype)
+      if kernel is not None:
+        return attend_det_kernel(q, keys, values, q_index, None, None, page_size, scale,
+                                 kernel, sharding)
       return attend(q, keys, values, q_index, page_size=page_size, numerics=numerics,
                     scale=scale, per_kv_head=per_kv_head)
     return f
@@ -114,25 +124,45 @@ def _det_kernel_args(kernel: str) -> dict:
           "interpret": kernel == "pallas_interpret"}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel):
-  """`attend` in deterministic numerics, by the Pallas kernel `kernel` (see `_det_kernel_args`).
+def per_device(fn, sharding: Sharding | None, *args):
+  """fn(*args) run by each device on its own rows and heads (`jax.shard_map` over the
+  mesh), or as it is off a mesh. args: [B, T, H, D] arrays (split by row and head),
+  [B, T] arrays (by row) or None; fn returns a [B, T, H, D] array. Rows and heads are
+  independent in attention, so this is the same result, row for row, as one device's."""
+  if sharding is None or sharding.mesh.size == 1:
+    return fn(*args)
+  heads = sharding.spec(("batch", None, "heads", None))
+  rows = sharding.spec(("batch", None))
+  specs = tuple(None if a is None else heads if a.ndim == 4 else rows for a in args)
+  return jax.shard_map(fn, mesh=sharding.mesh, in_specs=specs, out_specs=heads,
+                       check_vma=False)(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel,
+                      sharding=None):
+  """`attend` in deterministic numerics, by the Pallas kernel `kernel` (see
+  `_det_kernel_args`), per device on `sharding`'s mesh.
 
   The backward is the VJP of `attend`'s fast path (the same function; gradients need not
-  be batch-invariant), as for the jnp path.
+  be batch-invariant), as for the jnp path; XLA partitions it.
   """
-  return det_kernels.det_attention(q, k, v, q_index, page_size=page_size, scale=scale,
-                                   q_segments=q_segments, kv_segments=kv_segments,
-                                   **_det_kernel_args(kernel))
+  def call(q, k, v, q_index, q_segments, kv_segments):
+    return det_kernels.det_attention(q, k, v, q_index, page_size=page_size, scale=scale,
+                                     q_segments=q_segments, kv_segments=kv_segments,
+                                     **_det_kernel_args(kernel))
+  return per_device(call, sharding, q, k, v, q_index, q_segments, kv_segments)
 
 
-def _attend_det_kernel_fwd(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel):
-  out = attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel)
+def _attend_det_kernel_fwd(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel,
+                           sharding):
+  out = attend_det_kernel(q, k, v, q_index, q_segments, kv_segments, page_size, scale, kernel,
+                          sharding)
   return out, (q, k, v, q_index, q_segments, kv_segments)
 
 
-def _attend_det_kernel_bwd(page_size, scale, kernel, residuals, g):
-  del kernel
+def _attend_det_kernel_bwd(page_size, scale, kernel, sharding, residuals, g):
+  del kernel, sharding
   q, k, v, q_index, q_segments, kv_segments = residuals
   _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, q_index, page_size=page_size,
                                           numerics=FAST, scale=scale, q_segments=q_segments,

@@ -59,11 +59,11 @@ class ModelConfig:
   decode_attention: str = "auto"
   # Deterministic numerics' attention, in the training forward, prefill and decode alike:
   # "jnp" (rljax.block_attention: what CPUs run), "pallas_tpu" / "pallas_gpu"
-  # (pallas_kernels.det_attention, the same tiling; one device), "pallas_interpret" (the
-  # GPU kernel interpreted on CPU: the jnp bits, tests). "auto" = "pallas_tpu" on TPU in
-  # deterministic mode on one device (Mosaic compiles both kernels, packed row and paged
-  # decode, at Qwen3-30B-A3B's shapes, and interpreted they give the jnp path's bits:
-  # tested; a sharded program cannot hold them yet), else "jnp" (fast mode never uses a
+  # (pallas_kernels.det_attention, the same tiling; on a mesh each device's rows and
+  # heads), "pallas_interpret" (the GPU kernel interpreted on CPU: the jnp bits, tests).
+  # "auto" = "pallas_tpu" on TPU in deterministic mode (Mosaic compiles both kernels,
+  # packed row and paged decode, at Qwen3-30B-A3B's shapes and in sharded programs, and
+  # interpreted they give the jnp path's bits: tested), else "jnp" (fast mode never uses a
   # kernel here; on GPU "pallas_gpu" stays opt-in).
   det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
@@ -85,9 +85,9 @@ class ModelConfig:
   # dot; what CPUs run), "pallas_tpu" / "pallas_gpu" (pallas_kernels.grouped_matmul:
   # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
   # interpreted on CPU: the jnp kernel's bits, tests). "auto" = "pallas_tpu" on TPU in
-  # deterministic mode on one device (compiled by Mosaic at Qwen3-30B-A3B's shapes,
-  # interpreted it gives the jnp kernel's bits: tested), else "jnp" (fast mode's "tiled"
-  # keeps the jnp kernel; on GPU "pallas_gpu" stays opt-in).
+  # deterministic mode (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh per device
+  # under shard_map; interpreted it gives the jnp kernel's bits: tested), else "jnp"
+  # (fast mode's "tiled" keeps the jnp kernel; on GPU "pallas_gpu" stays opt-in).
   expert_kernel: str = "auto"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
@@ -133,12 +133,10 @@ class ModelConfig:
       d["mlp_only_layers"] = tuple(int(i) for i in d["mlp_only_layers"])
     return cls(**d)
 
-  def resolved(self, backend: str, numerics: str | Any, devices: int = 1) -> "ModelConfig":
+  def resolved(self, backend: str, numerics: str | Any) -> "ModelConfig":
     """This config with every "auto" backend choice made for `backend` ("cpu", "gpu" (or
     "cuda", "rocm"), "tpu": `jax.default_backend()`, or the platform an AOT check lowers
-    for), `numerics` (a mode name or a `Numerics`) and `devices`: how many devices the
-    model's programs are partitioned over (the run's largest mesh). Concrete choices are
-    kept."""
+    for) and `numerics` (a mode name or a `Numerics`). Concrete choices are kept."""
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
     if platform not in ("cpu", "gpu", "tpu"):
       raise ValueError(f"unknown backend {backend!r}; expected cpu, gpu (cuda, rocm) or tpu")
@@ -152,9 +150,7 @@ class ModelConfig:
       # the training forward's
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
     deterministic = mode == "deterministic"
-    # the kernels are one device's: XLA cannot partition a Mosaic call (a sharded program
-    # that holds one fails to lower)
-    kernels = platform == "tpu" and deterministic and devices == 1
+    kernels = platform == "tpu" and deterministic
     for name in ("det_attention", "expert_kernel"):
       if getattr(self, name) == "auto":
         choices[name] = "pallas_tpu" if kernels else "jnp"

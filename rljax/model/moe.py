@@ -19,10 +19,15 @@ No capacity, no drops: a token's output depends only on the token. Expert paths:
   times the expert FLOPs, and not the tiled path's bits (another dot kernel), so trainer
   and engine must both use it or neither (`ModelConfig.resolved` checks).
 
-Expert parallelism (`expert` mesh axis > 1) runs under `jax.shard_map`: each device
+Expert parallelism (`expert` mesh axis > 1), and any sharded run whose tiles a Pallas kernel
+multiplies (XLA cannot partition a kernel call), runs under `jax.shard_map`: each device
 gathers the tokens of its expert group, computes its own experts for them, and an
 `all_to_all` returns every slot's output to the token's device, where the k slots are
 summed in fixed order (no psum: a psum over >= 3 devices does not sum in device order).
+A `model` axis does not split an expert's width there (that would leave each device a
+partial sum of the down projection): the expert weights are gathered over it at use, as
+over `fsdp`, and the tokens are split over it instead, so every slot is one device's
+whole dot: the same bits whatever the mesh.
 """
 
 from __future__ import annotations
@@ -362,8 +367,9 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
   router = sharding_lib.constrain(sharding, params["router"], ("embed", "router"), gathered=True)
   ids, weights = route(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob,
                        numerics=numerics, replay=replay)
-  if sharding is not None and sharding.axis_size("expert") > 1:
-    y = _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile, kernel)
+  kernel_on_mesh = kernel != "jnp" and sharding is not None and sharding.mesh.size > 1
+  if sharding is not None and (sharding.axis_size("expert") > 1 or kernel_on_mesh):
+    y = _experts_sharded(x, ids, params, numerics, sharding, path, row_tile, kernel)
   else:
     gate, up, down = (sharding_lib.constrain(sharding, params[n], axes, gathered=True)
                       for n, axes in (("gate", ("embed", "expert", "mlp")),
@@ -373,11 +379,23 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
   return combine(y, weights), ids
 
 
-def _experts_expert_parallel(x, ids, params, numerics, sharding, path, row_tile, kernel):
-  tokens = sharding.spec(("batch", None))
-  slots = sharding.spec(("batch", None, None))
-  w_in = sharding.spec(("embed", "expert", "mlp"), gathered=True)
-  w_out = sharding.spec(("expert", "mlp", "embed"), gathered=True)
+def _token_axes(sharding: sharding_lib.Sharding, num_tokens: int) -> tuple[str, ...]:
+  """The mesh axes `_experts_sharded` splits the tokens over: the batch's, and `model`
+  where it divides each batch shard's tokens (else every model shard computes them all)."""
+  batch = sharding.spec(("batch",))[0]
+  axes = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+  model = sharding.axis_size("model")
+  if model > 1 and (num_tokens // sharding.shards("batch")) % model == 0:
+    axes += ("model",)
+  return axes
+
+
+def _experts_sharded(x, ids, params, numerics, sharding, path, row_tile, kernel):
+  split = _token_axes(sharding, x.shape[0])
+  tokens = jax.sharding.PartitionSpec(split or None, None)
+  slots = jax.sharding.PartitionSpec(split or None, None, None)
+  w_in = sharding.spec(("embed", "expert", None), gathered=True)
+  w_out = sharding.spec(("expert", None, "embed"), gathered=True)
 
   @functools.partial(jax.shard_map, mesh=sharding.mesh,
                      in_specs=(tokens, tokens, w_in, w_in, w_out), out_specs=slots,

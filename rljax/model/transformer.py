@@ -100,13 +100,18 @@ def _attention_block(p, x, cos, sin, layer_kv, ctx):
 
   per_kv_head = sharding is None or sharding.axis_size("model") == 1  # heads not split
   det_kernel = numerics.deterministic and cfg.det_attention != "jnp"
-  if det_kernel and layer_kv is not None:
+  on_mesh = sharding is not None and sharding.mesh.size > 1
+  if det_kernel and layer_kv is not None and not on_mesh:  # the kernel reads the pages
     out = attention.attend_paged_det_kernel(q, *new_pools, table, q_index, layer=layer,
                                             dtype=dt, scale=hd ** -0.5,
                                             kernel=cfg.det_attention)
+  elif det_kernel and layer_kv is not None:  # a slot's pages may be on other devices
+    out = attention.attend_paged(q, *new_pools, table, q_index, layer=layer, dtype=dt,
+                                 numerics=numerics, scale=hd ** -0.5,
+                                 kernel=cfg.det_attention, sharding=sharding)
   elif det_kernel:
     out = attention.attend_det_kernel(q, keys, values, q_index, segs, kv_segs,
-                                      cfg.page_size, hd ** -0.5, cfg.det_attention)
+                                      cfg.page_size, hd ** -0.5, cfg.det_attention, sharding)
   elif layer_kv is not None and t == 1 and cfg.decode_attention != "reference":
     lengths = jnp.maximum(ctx["positions"][:, 0] + 1, 0)
     k_layer, v_layer = (block_attention.as_values(pool[layer], dt) for pool in new_pools)

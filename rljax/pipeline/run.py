@@ -344,15 +344,6 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
                                     if k in BACKEND_FIELDS and v is not None})
 
 
-def mesh_devices(config: ml_collections.ConfigDict) -> int:
-  """The devices of the run's largest mesh: config.mesh's, or a rollout host's
-  (config.engine.mesh)."""
-  meshes = [config.get("mesh")]
-  if "engine" in config:
-    meshes.append(config.engine.get("mesh"))
-  return max([1] + [math.prod(int(v) for v in m.values()) for m in meshes if m])
-
-
 def make_sharding(mesh_shape: dict[str, int]) -> sharding_lib.Sharding | None:
   """None for a 1-device mesh (plain jit); otherwise a mesh of the first devices."""
   size = math.prod(int(v) for v in mesh_shape.values())
@@ -464,7 +455,7 @@ def build(config: ml_collections.ConfigDict, needs: Iterable[str] = LOCKSTEP, *,
   except (TypeError, ValueError, OSError) as e:
     raise ConfigError(f"config.model / config.init_from / config.numerics: {e}") from None
   # every "auto", once
-  cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode, mesh_devices(config))
+  cfg = cfg.resolved(platform or jax.default_backend(), numerics.mode)
   check_shapes(config, needs, cfg)
   sharding = make_sharding(config.mesh.to_dict()) if devices and "mesh" in needs else None
   if sharding is not None and "engine" in needs:  # evaluations run an engine on this mesh
