@@ -249,7 +249,20 @@ def _tpu_call(qg, k_pool, v_pool, page_table, row_index, row_seg, kv_seg, tile_l
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="det_attention_tpu",
+      cost_estimate=_cost(b, hkv, nt, nb, r, page_size, d, qg.dtype.itemsize,
+                          k_pool.dtype.itemsize),
   )(page_table.reshape(-1), tile_last.reshape(-1), *args)
+
+
+def _cost(b, hkv, nt, nb, r, page_size, d, q_bytes, kv_bytes) -> pl.CostEstimate:
+  """What the compiler's cost model (and `rljax.hlo_flops`) is told: at most, every tile
+  over every key block (tiles skip the blocks past their last visible one, which a static
+  count cannot know): two (r x D) x (D x P) dots and r x P exponentials a block, the
+  block's keys and values read for each tile, the queries read and the output written."""
+  blocks = b * hkv * nt * nb
+  return pl.CostEstimate(
+      flops=4 * blocks * r * page_size * d, transcendentals=blocks * r * page_size,
+      bytes_accessed=2 * blocks * page_size * d * kv_bytes + 2 * b * hkv * nt * r * d * q_bytes)
 
 
 # ------------------------------------------------------------------------------------ GPU

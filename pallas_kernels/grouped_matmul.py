@@ -175,6 +175,11 @@ def _tpu_call(xs, w, tile_expert, block_f, interpret):
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="grouped_matmul_tpu",
+      # for the compiler's cost model (and rljax.hlo_flops): every tile's dot; an expert's
+      # weights read once per F block (its tiles run together), the tiles and outputs once
+      cost_estimate=pl.CostEstimate(
+          flops=2 * n * r * d * f, transcendentals=0,
+          bytes_accessed=xs.size * xs.dtype.itemsize + w.size * w.dtype.itemsize + n * r * f * 4),
   )(tile_expert, xs, w)
 
 

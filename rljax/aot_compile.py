@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import time
 import traceback
 from typing import Any
@@ -110,7 +111,8 @@ def hlo_stats(compiled) -> dict | None:
   """Matmul FLOPs and HBM bytes per device from the optimized HLO, every loop body times
   its trip count (`rljax.hlo_flops`)."""
   try:
-    count = hlo_flops.count(compiled.as_text())
+    text = compiled.as_text()
+    count = hlo_flops.count(text)
   except Exception:  # pylint: disable=broad-except
     logging.error("counting the HLO failed:\n%s", traceback.format_exc())
     return None
@@ -122,8 +124,18 @@ def hlo_stats(compiled) -> dict | None:
           "bounded_loops": count.bounded_loops, "unknown_loops": count.unknown_loops,
           "conditionals": count.conditionals,
           "opaque_custom_calls": count.opaque_custom_calls,
-          # call sites of Pallas kernels compiled by Mosaic, in the optimized program
-          "mosaic_kernel_calls": compiled.as_text().count('custom_call_target="tpu_custom_call"')}
+          "mosaic_kernels": mosaic_kernels(text)}
+
+
+def mosaic_kernels(text: str) -> dict[str, int]:
+  """Call sites of Mosaic kernels in an optimized TPU program, by kernel (the instruction
+  is named after the Pallas kernel: grouped_matmul_tpu, det_attention_tpu; the TPU's own
+  ragged_dot kernels show up too)."""
+  calls: dict[str, int] = {}
+  for name in re.findall(r'%([\w\-]+?)(?:\.\d+)* = [^\n]*custom_call_target="tpu_custom_call"',
+                         text):
+    calls[name] = calls.get(name, 0) + 1
+  return calls
 
 
 def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,

@@ -86,10 +86,9 @@ def test_unknown_model_key_is_rejected():
     ModelConfig.from_dict({**_load("tiny_moe").model.to_dict(), "num_expert": 4})
 
 
-def test_deterministic_tpu_runs_take_the_pallas_kernels_on_one_device():
-  # "auto" for a TPU in deterministic mode: the kernels on a one-device run; a sharded mesh
-  # (the trainer's or a rollout host's) keeps the jnp paths (XLA cannot partition a Mosaic
-  # call)
+def test_deterministic_tpu_runs_take_the_expert_kernel():
+  # "auto" for a TPU in deterministic mode: the grouped matmul kernel, on one device or per
+  # device on a mesh; the attention kernel is the user's to choose
   config = arith_tiny.get_config()
   config.numerics = "deterministic"
 
@@ -97,14 +96,15 @@ def test_deterministic_tpu_runs_take_the_pallas_kernels_on_one_device():
     cfg = build(config, MODEL_ONLY, devices=False, platform="tpu").cfg
     return cfg.det_attention, cfg.expert_kernel
 
-  assert kernels(config) == ("pallas_tpu", "pallas_tpu")
+  assert kernels(config) == ("jnp", "pallas_tpu")
   sharded = arith_tiny.get_config()
   sharded.numerics = "deterministic"
   sharded.mesh.fsdp = 2
   sharded.engine.mesh = ml_collections.ConfigDict({"expert": 2})
-  assert kernels(sharded) == ("pallas_tpu", "pallas_tpu")  # per device on a mesh
-  config.model.det_attention = "jnp"  # still the user's to set
-  assert kernels(config) == ("jnp", "pallas_tpu")
+  assert kernels(sharded) == ("jnp", "pallas_tpu")  # per device on a mesh
+  config.model.det_attention = "pallas_tpu"
+  config.model.expert_kernel = "jnp"
+  assert kernels(config) == ("pallas_tpu", "jnp")
 
 
 def test_build_names_a_missing_misspelled_or_short_block():

@@ -61,10 +61,11 @@ class ModelConfig:
   # "jnp" (rljax.block_attention: what CPUs run), "pallas_tpu" / "pallas_gpu"
   # (pallas_kernels.det_attention, the same tiling; on a mesh each device's rows and
   # heads), "pallas_interpret" (the GPU kernel interpreted on CPU: the jnp bits, tests).
-  # "auto" = "pallas_tpu" on TPU in deterministic mode (Mosaic compiles both kernels,
-  # packed row and paged decode, at Qwen3-30B-A3B's shapes and in sharded programs, and
-  # interpreted they give the jnp path's bits: tested), else "jnp" (fast mode never uses a
-  # kernel here; on GPU "pallas_gpu" stays opt-in).
+  # "auto" = "jnp". "pallas_tpu" is opt-in: Mosaic compiles it, packed row and paged
+  # decode, at Qwen3-30B-A3B's shapes and in sharded programs, and interpreted it gives
+  # the jnp path's bits (tested), but libtpu 0.0.42.1 aborts compiling Qwen3-30B-A3B's
+  # deterministic GRPO step on v5p:4x4x4 with it beside the grouped matmul (a CHECK
+  # failure in its megacore fusion emitter; the decode loop and prefill compile).
   det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
@@ -86,8 +87,10 @@ class ModelConfig:
   # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
   # interpreted on CPU: the jnp kernel's bits, tests). "auto" = "pallas_tpu" on TPU in
   # deterministic mode (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh per device
-  # under shard_map; interpreted it gives the jnp kernel's bits: tested), else "jnp"
-  # (fast mode's "tiled" keeps the jnp kernel; on GPU "pallas_gpu" stays opt-in).
+  # under shard_map; interpreted it gives the jnp kernel's bits: tested; the jnp kernel's
+  # backward needs 135 GB of temporaries a chip for the 30B step on v5p:4x4x4, the
+  # kernel's program 73 GiB), else "jnp" (fast mode's "tiled" keeps the jnp kernel; on
+  # GPU "pallas_gpu" stays opt-in).
   expert_kernel: str = "auto"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
@@ -150,10 +153,10 @@ class ModelConfig:
       # the training forward's
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
     deterministic = mode == "deterministic"
-    kernels = platform == "tpu" and deterministic
-    for name in ("det_attention", "expert_kernel"):
-      if getattr(self, name) == "auto":
-        choices[name] = "pallas_tpu" if kernels else "jnp"
+    if self.det_attention == "auto":
+      choices["det_attention"] = "jnp"
+    if self.expert_kernel == "auto":
+      choices["expert_kernel"] = "pallas_tpu" if platform == "tpu" and deterministic else "jnp"
     if self.train_experts == "auto":
       choices["train_experts"] = "tiled" if platform == "cpu" or deterministic else "ragged"
     if self.engine_experts == "auto":
