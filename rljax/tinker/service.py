@@ -1,0 +1,210 @@
+"""The Tinker service's state: sessions, training clients and futures, with each client's
+requests run in its `seq_id` order on one worker thread (JAX programs run one at a time).
+
+Every submission returns a future id at once; `result` long-polls it. A request fails in
+one of two ways the SDK knows: at submission (`ApiError`: an HTTP status the SDK raises as
+its own exception class, e.g. 404 NotFoundError for an unknown model) or in its future
+(`{"error", "category"}`: `RequestFailedError`, category "user" for a bad datum, "server"
+for anything else, which is logged). No request makes the server answer 500.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import traceback
+import uuid
+from typing import Any, Callable
+
+from rljax.model import lora as lora_lib
+from rljax.tinker import wire
+from rljax.tinker.training import AdamParams, LoraTrainer, UserError
+
+LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
+
+
+class ApiError(Exception):
+  def __init__(self, status: int, message: str):
+    super().__init__(message)
+    self.status = status
+
+
+@dataclasses.dataclass
+class Future:
+  request_id: str
+  done: bool = False
+  json: dict | None = None
+  proto: bytes | None = None
+  error: dict | None = None
+
+
+@dataclasses.dataclass
+class Model:
+  model_id: str
+  session_id: str
+  trainer: LoraTrainer
+  next_seq: int = 1
+  waiting: dict[int, tuple[Future, Callable]] = dataclasses.field(default_factory=dict)
+  seen: dict[int, Future] = dataclasses.field(default_factory=dict)
+
+
+class Service:
+  """`base`: the model's params in its serving dtype; every training client is a LoRA on it."""
+
+  def __init__(self, cfg, base: Any, *, numerics, model_name: str, max_tokens: int,
+               tokenizer_id: str | None = None):
+    self.cfg, self.base, self.numerics = cfg, base, numerics
+    self.model_name, self.max_tokens, self.tokenizer_id = model_name, max_tokens, tokenizer_id
+    self.sessions: dict[str, bool] = {}  # id -> open
+    self.models: dict[str, Model] = {}
+    self.closed_models: set[str] = set()
+    self.futures: dict[str, Future] = {}
+    self._ids = itertools.count(1)
+    self._cond = threading.Condition()
+    self._work: list[tuple[Future, Callable]] = []
+    self._worker = threading.Thread(target=self._run, name="tinker-worker", daemon=True)
+    self._worker.start()
+
+  # ---- sessions and models --------------------------------------------------------------
+  def create_session(self) -> str:
+    session_id = f"s{uuid.uuid4().hex[:12]}"
+    with self._cond:
+      self.sessions[session_id] = True
+    return session_id
+
+  def open_session(self, session_id: str) -> None:
+    if session_id not in self.sessions:
+      raise ApiError(404, f"session {session_id!r} does not exist")
+    if not self.sessions[session_id]:
+      raise ApiError(400, f"session {session_id!r} was closed")
+
+  def finish_session(self, session_id: str) -> None:
+    with self._cond:
+      if session_id in self.sessions:
+        self.sessions[session_id] = False
+      for model_id in [m for m, model in self.models.items() if model.session_id == session_id]:
+        del self.models[model_id]
+        self.closed_models.add(model_id)
+
+  def create_model(self, body: dict) -> Future:
+    session_id = str(body.get("session_id", ""))
+    self.open_session(session_id)
+    if body.get("base_model") != self.model_name:
+      raise ApiError(404, f"base_model {body.get('base_model')!r} is not served here; this "
+                          f"server trains {self.model_name!r}")
+    lora = body.get("lora_config") or {}
+    rank = lora.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 1024:
+      raise ApiError(400, f"lora_config.rank must be an int in [1, 1024], got {rank!r}")
+    seq = body.get("model_seq_id")
+    if not isinstance(seq, int) or seq < 0:
+      raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+    model_id = f"{session_id}:train:{seq}"
+    with self._cond:
+      if model_id in self.models:  # a retried submission
+        return self.models[model_id].seen[0]
+      seed = lora.get("seed")
+      trainer = LoraTrainer(self.cfg, self.base, lora_lib.LoraConfig(rank=rank),
+                            seed=int(seed) if seed is not None else seq,
+                            numerics=self.numerics, max_tokens=self.max_tokens)
+      model = self.models[model_id] = Model(model_id, session_id, trainer)
+      future = self._future()
+      future.done, future.json = True, {"model_id": model_id, "type": "create_model"}
+      model.seen[0] = future
+      return future
+
+  def model(self, model_id: str) -> Model:
+    with self._cond:
+      if model_id in self.models:
+        return self.models[model_id]
+    if model_id in self.closed_models:
+      raise ApiError(404, f"model {model_id!r} was closed with its session")
+    raise ApiError(404, f"model {model_id!r} does not exist")
+
+  def info(self, model_id: str) -> dict:
+    model = self.model(model_id)
+    return {"model_id": model_id, "is_lora": True, "lora_rank": model.trainer.lora.rank,
+            "model_name": self.model_name, "type": "get_info",
+            "model_data": {"arch": "qwen3_moe", "model_name": self.model_name,
+                           "tokenizer_id": self.tokenizer_id}}
+
+  # ---- training requests, in seq_id order -----------------------------------------------
+  def submit(self, model_id: str, seq_id: Any, work: Callable[[LoraTrainer], Any]) -> Future:
+    """Queues `work(trainer)` as the model's request `seq_id`; it runs after every earlier
+    one (requests may arrive out of order). A repeated seq_id returns its future."""
+    model = self.model(model_id)
+    if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+      raise ApiError(400, f"seq_id must be an int >= 1, got {seq_id!r}")
+    with self._cond:
+      if seq_id in model.seen:
+        return model.seen[seq_id]
+      if seq_id < model.next_seq:
+        raise ApiError(400, f"seq_id {seq_id} of model {model_id!r} already ran")
+      future = model.seen[seq_id] = self._future()
+      model.waiting[seq_id] = (future, lambda: work(model.trainer))
+      while model.next_seq in model.waiting:
+        self._work.append(model.waiting.pop(model.next_seq))
+        model.next_seq += 1
+      self._cond.notify_all()
+      return future
+
+  # A request's content is checked when it runs, not at submission: the SDK has given it
+  # its seq_id, so a refusal there would leave a gap that every later request waits on.
+  def forward_backward(self, body: bytes) -> Future:
+    try:
+      req = wire.forward_backward_request(body)
+    except UserError as e:
+      raise ApiError(400, str(e)) from None
+
+    def work(trainer):
+      datums = [wire.datum(d, i) for i, d in enumerate(req.data)]
+      logprobs, metrics = trainer.forward_backward(datums, req.loss_fn, wire.loss_config(req),
+                                                   backward=not req.forward_only)
+      return wire.forward_backward_output(logprobs, metrics)
+    return self.submit(req.model_id, req.seq_id, work)
+
+  def optim_step(self, body: dict) -> Future:
+    def work(trainer):
+      try:
+        adam = AdamParams.from_dict(body.get("adam_params") or {})
+      except (TypeError, ValueError) as e:
+        raise UserError(f"adam_params: {e}") from None
+      return {"metrics": trainer.optim_step(adam)}
+    return self.submit(str(body.get("model_id")), body.get("seq_id"), work)
+
+  # ---- futures ---------------------------------------------------------------------------
+  def _future(self) -> Future:
+    future = Future(f"r{next(self._ids)}")
+    self.futures[future.request_id] = future
+    return future
+
+  def result(self, request_id: str, timeout: float = LONG_POLL_S) -> Future:
+    """The future, once done or after `timeout` seconds (then still pending)."""
+    with self._cond:
+      future = self.futures.get(request_id)
+      if future is None:
+        raise ApiError(404, f"no request {request_id!r}")
+      self._cond.wait_for(lambda: future.done, timeout=timeout)
+      return future
+
+  def _run(self) -> None:
+    while True:
+      with self._cond:
+        self._cond.wait_for(lambda: self._work)
+        future, work = self._work.pop(0)
+      try:
+        out = work()
+        result = {"proto": out} if isinstance(out, bytes) else {"json": out}
+      except UserError as e:
+        result = {"error": {"error": str(e), "category": "user"}}
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("tinker request %s failed:\n%s", future.request_id,
+                      traceback.format_exc())
+        result = {"error": {"error": f"{type(e).__name__}: {e}", "category": "server"}}
+      with self._cond:
+        for k, v in result.items():
+          setattr(future, k, v)
+        future.done = True
+        self._cond.notify_all()
