@@ -6,8 +6,9 @@
 
 then, unchanged SDK code: `tinker.ServiceClient(base_url="http://HOST:8000")` (any API key
 starting with "tml-"), `create_lora_training_client(base_model=MODEL_NAME, rank=...)`,
-`forward_backward` (cross_entropy, importance_sampling, ppo), `forward`, `optim_step`.
-Sampling clients and saved states are not served yet (a clear 400 names them).
+`forward_backward` (cross_entropy, importance_sampling, ppo), `forward`, `optim_step`,
+sampling clients (`sample`, `compute_logprobs`). Saved training states are not served yet
+(a clear 400 names them).
 """
 
 import os

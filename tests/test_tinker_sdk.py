@@ -23,7 +23,7 @@ tinker = pytest.importorskip("tinker")  # pinned in the test extras: a missing o
 from tinker import types  # noqa: E402
 
 MODEL = "rljax/tiny"
-FAST = Numerics("fast")
+DET = Numerics("deterministic")  # engine = trainer bit for bit
 
 
 def test_the_sdk_is_installed():
@@ -32,9 +32,9 @@ def test_the_sdk_is_installed():
 
 @pytest.fixture(scope="module")
 def server(monkeypatch_module):
-  cfg = ModelConfig(**TINY).resolved("cpu", "fast")
+  cfg = ModelConfig(**TINY).resolved("cpu", DET)
   base = cast(init_params(cfg, jax.random.key(0), "float32"), "bfloat16")
-  service = Service(cfg, base, numerics=FAST, model_name=MODEL, max_tokens=256)
+  service = Service(cfg, base, numerics=DET, model_name=MODEL, max_tokens=256)
   srv = make_server(service, "127.0.0.1", 0)
   threading.Thread(target=srv.serve_forever, daemon=True).start()
   monkeypatch_module.setenv("TINKER_API_KEY", "tml-local")
@@ -85,7 +85,7 @@ def test_supervised_steps_lower_the_loss_and_logprobs_are_the_models(server, cli
     assert step.metrics["optim/datums:sum"] == len(data)
   assert losses[-1] < 0.95 * losses[0], losses  # measured 368.6 -> 335.9 on 4 rows
   # the loss is the sum of -logprob over the weighted tokens, and the log-probs are the
-  # merged model's own (packed with the other datums: fast numerics, so not bitwise)
+  # merged model's own, bit for bit (deterministic numerics: packing does not change them)
   after = tc.forward(data, "cross_entropy").result()
   lps = _logprobs(after)
   assert [len(lp) for lp in lps] == [19] * 4 + [32] * 2
@@ -94,10 +94,10 @@ def test_supervised_steps_lower_the_loss_and_logprobs_are_the_models(server, cli
   trainer = service.model(tc.model_id).trainer
   tokens = np.asarray(data[4].model_input.to_ints(), np.int32)[None]
   own = forward(trainer.merged(), tokens, np.arange(tokens.shape[1], dtype=np.int32)[None],
-                cfg=trainer.cfg, numerics=FAST,
+                cfg=trainer.cfg, numerics=DET,
                 targets=np.asarray(data[4].loss_fn_inputs["target_tokens"].data,
                                    np.int32)[None]).logprobs[0]
-  np.testing.assert_allclose(lps[4], np.asarray(own), atol=2e-2)  # bf16 weights, packing
+  np.testing.assert_array_equal(lps[4], np.asarray(own))
 
 
 def test_importance_sampling_and_ppo_follow_the_advantages(client):
@@ -187,3 +187,49 @@ def test_a_client_killed_mid_request_does_not_stop_the_server(server):
   with pytest.raises(urllib.error.HTTPError) as e:
     urllib.request.urlopen(request, timeout=30)
   assert e.value.code == 404 and "was closed" in json.loads(e.value.read())["detail"]
+
+
+def test_sampling_clients_sample_the_trained_weights_with_the_trainers_logprobs(client):
+  tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+  tc.forward_backward(_sft_data(_sequences(2, 12, seed=5)), "cross_entropy").result()
+  tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+  sampler = tc.save_weights_and_get_sampling_client()
+  prompt = [5, 6, 7, 8]
+  res = sampler.sample(types.ModelInput.from_ints(prompt), 3,
+                       types.SamplingParams(max_tokens=6, seed=1)).result()
+  assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
+  for s in res.sequences:
+    assert len(s.tokens) == len(s.logprobs) == 6 and s.stop_reason == "length"
+    # the sampler's log-probs are forward's bits for the same tokens
+    tokens = prompt + list(s.tokens)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:],
+                                        "weights": [1.0] * (len(tokens) - 1)})
+    trained = _logprobs(tc.forward([datum], "cross_entropy").result())[0][-6:]
+    assert np.array_equal(np.asarray(s.logprobs, np.float32).view(np.uint32),
+                          trained.view(np.uint32))
+  prompt_lps = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+  datum = types.Datum(model_input=types.ModelInput.from_ints(prompt[:-1]),
+                      loss_fn_inputs={"target_tokens": prompt[1:], "weights": [1.0] * 3})
+  assert prompt_lps[0] is None
+  np.testing.assert_array_equal(np.asarray(prompt_lps[1:], np.float32),
+                                _logprobs(tc.forward([datum], "cross_entropy").result())[0])
+  # a named snapshot, sampled greedily through a sampling client made from its path
+  path = tc.save_weights_for_sampler("final").result().path
+  assert path == f"tinker://{tc.model_id}/sampler_weights/final"
+  named = client.create_sampling_client(model_path=path)
+  greedy = [named.sample(types.ModelInput.from_ints(prompt), 1,
+                         types.SamplingParams(max_tokens=4, temperature=0.0)).result()
+            for _ in range(2)]
+  assert greedy[0].sequences[0].tokens == greedy[1].sequences[0].tokens
+  with pytest.raises(tinker.BadRequestError, match="string stop"):
+    named.sample(types.ModelInput.from_ints(prompt), 1,
+                 types.SamplingParams(max_tokens=4, stop=["User:"])).result()
+  with pytest.raises(tinker.BadRequestError, match="max_tokens"):
+    named.sample(types.ModelInput.from_ints(prompt), 1,
+                 types.SamplingParams(max_tokens=10_000)).result()
+  with pytest.raises(tinker.NotFoundError, match="no sampler weights"):
+    missing = client.create_sampling_client(
+        model_path=f"tinker://{tc.model_id}/sampler_weights/x")
+    missing.sample(types.ModelInput.from_ints(prompt), 1,
+                   types.SamplingParams(max_tokens=4)).result()

@@ -13,11 +13,11 @@ import json
 import logging
 import re
 import traceback
+import uuid
 
 from rljax.tinker.service import ApiError, Service
 
-NOT_BUILT = ("save_weights", "load_weights", "save_weights_for_sampler", "asample",
-             "create_sampling_session", "save_weights_external")
+NOT_BUILT = ("save_weights", "load_weights", "save_weights_external")
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -26,6 +26,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 def _json_routes(service: Service) -> dict:
+  def sample(body):
+    future, n = service.sample(body)
+    return {"request_id": future.request_id,
+            "sample_sequence_ids": [uuid.uuid4().hex for _ in range(n)]}
+
   def heartbeat(body):
     service.open_session(str(body.get("session_id")))
     return {"type": "session_heartbeat"}
@@ -42,6 +47,10 @@ def _json_routes(service: Service) -> dict:
       "get_info": lambda body: service.info(str(body.get("model_id"))),
       "optim_step": lambda body: _future_reply(service.optim_step(body),
                                                model_id=body.get("model_id")),
+      "save_weights_for_sampler": lambda body: _future_reply(
+          service.save_weights_for_sampler(body), model_id=body.get("model_id")),
+      "create_sampling_session": service.create_sampling_session,
+      "asample": sample,
   }
 
 
@@ -91,7 +100,7 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
           return self._json(200, {})
         if name in NOT_BUILT:
           raise ApiError(400, f"{name} is not implemented by rljax's Tinker server yet "
-                              "(it trains: create_model, forward, forward_backward, optim_step)")
+                              "(saved training state and weight downloads)")
         if name not in routes:
           raise ApiError(404, f"no route {path}")
         return self._json(200, routes[name](body))
@@ -115,9 +124,11 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
     def _get(self, name: str) -> dict:
       if name == "healthz":
         return {"status": "ok"}
+      if name.startswith("samplers/"):
+        return service.sampler_info(name[len("samplers/"):])
       if name == "get_server_capabilities":
         return {"supported_models": [{"model_name": service.model_name, "trainable": True,
-                                      "sampleable": False,
+                                      "sampleable": True,
                                       "max_context_length": service.max_tokens}]}
       raise ApiError(404, f"no route /api/v1/{name}")
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from rljax.model import lora as lora_lib
 from rljax.tinker import wire
+from rljax.tinker.sampling import Sampler, sample_args
 from rljax.tinker.training import AdamParams, LoraTrainer, UserError
 
 LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
@@ -61,6 +62,9 @@ class Service:
     self.models: dict[str, Model] = {}
     self.closed_models: set[str] = set()
     self.futures: dict[str, Future] = {}
+    self.sampler = Sampler(cfg, numerics, max_tokens)
+    self.saved: dict[str, Any] = {}  # tinker://<model>/sampler_weights/<name> -> merged params
+    self.samplers: dict[str, tuple[Any, str | None]] = {}  # sampling session -> (params, path)
     self._ids = itertools.count(1)
     self._cond = threading.Condition()
     self._work: list[tuple[Future, Callable]] = []
@@ -173,6 +177,63 @@ class Service:
         raise UserError(f"adam_params: {e}") from None
       return {"metrics": trainer.optim_step(adam)}
     return self.submit(str(body.get("model_id")), body.get("seq_id"), work)
+
+  def save_weights_for_sampler(self, body: dict) -> Future:
+    """Named: the weights under a tinker:// path; unnamed: a sampling session bound to
+    them (both a snapshot as of this request's place in the client's order)."""
+    model_id, name = str(body.get("model_id")), body.get("path")
+    if name is not None and (not isinstance(name, str) or not name or "/" in name):
+      raise ApiError(400, f"path must be a name without '/', got {name!r}")
+
+    def work(trainer):
+      weights = trainer.merged()
+      if name is not None:
+        path = f"tinker://{model_id}/sampler_weights/{name}"
+        self.saved[path] = weights
+        return {"path": path, "type": "save_weights_for_sampler"}
+      return {"sampling_session_id": self._new_sampler(weights, None),
+              "type": "save_weights_for_sampler"}
+    return self.submit(model_id, body.get("seq_id"), work)
+
+  def create_sampling_session(self, body: dict) -> dict:
+    self.open_session(str(body.get("session_id")))
+    path, base_model = body.get("model_path"), body.get("base_model")
+    if path is not None:
+      if path not in self.saved:
+        raise ApiError(404, f"no sampler weights at {path!r}")
+      return {"sampling_session_id": self._new_sampler(self.saved[path], path)}
+    if base_model != self.model_name:
+      raise ApiError(404, f"base_model {base_model!r} is not served here; this server "
+                          f"samples {self.model_name!r}")
+    return {"sampling_session_id": self._new_sampler(self.base, None)}
+
+  def _new_sampler(self, weights, path) -> str:
+    sampler_id = f"ss{uuid.uuid4().hex[:12]}"
+    with self._cond:
+      self.samplers[sampler_id] = (weights, path)
+    return sampler_id
+
+  def sampler_info(self, sampler_id: str) -> dict:
+    if sampler_id not in self.samplers:
+      raise ApiError(404, f"sampling session {sampler_id!r} does not exist")
+    return {"sampler_id": sampler_id, "base_model": self.model_name,
+            "model_path": self.samplers[sampler_id][1]}
+
+  def sample(self, body: dict) -> tuple[Future, int]:
+    """(the future of a SampleResponse, its number of samples); checked at submission."""
+    sampler_id = str(body.get("sampling_session_id"))
+    if sampler_id not in self.samplers:
+      raise ApiError(404, f"sampling session {sampler_id!r} does not exist")
+    try:
+      args = sample_args(body, self.cfg.vocab_size, self.max_tokens)
+    except UserError as e:
+      raise ApiError(400, str(e)) from None
+    weights = self.samplers[sampler_id][0]
+    with self._cond:
+      future = self._future()
+      self._work.append((future, lambda: self.sampler.sample(weights, args)))
+      self._cond.notify_all()
+    return future, args.num_samples
 
   # ---- futures ---------------------------------------------------------------------------
   def _future(self) -> Future:

@@ -32,6 +32,7 @@ from rljax.model import ModelConfig, forward
 from rljax.model import lora as lora_lib
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
+from rljax.rl import learner
 
 LOSSES = {
     "cross_entropy": ("target_tokens", "weights"),
@@ -141,7 +142,7 @@ class LoraTrainer:
 
   def merged(self) -> Any:
     """The base with the adapters merged: the weights a sampler of this client serves."""
-    return lora_lib.merge(self.base, self.adapters, self.lora)
+    return learner.merged_params(self.base, self.adapters, self.lora)
 
   def check(self, datums: list[Datum], kind: str) -> None:
     if kind not in LOSSES:

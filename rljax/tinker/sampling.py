@@ -1,0 +1,134 @@
+"""Tinker sampling clients on rljax's decode engine: weight snapshots saved by training
+clients (`save_weights_for_sampler`), and `asample` (sampled tokens with their log-probs,
+optionally the prompt's log-probs) with a snapshot's weights.
+
+One `DecodeEngine` serves every snapshot: a request runs with its snapshot's weights
+(`update_weights` when they differ from the engine's). The sampled tokens' log-probs are
+the engine's (`behaviour_logprobs`), in deterministic numerics the training forward's bits
+for the same tokens; prompt log-probs come from the training forward on the snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.model import forward
+from rljax.rl.trajectory import FinishReason
+from rljax.tinker.training import UserError
+
+DEFAULT_MAX_TOKENS = 64
+MAX_STOP_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleArgs:
+  prompt: np.ndarray  # [P] int32
+  num_samples: int
+  sampling: SamplingParams
+  seed: int
+  prompt_logprobs: bool
+
+
+def sample_args(body: dict, vocab_size: int, max_tokens: int) -> SampleArgs:
+  """The asample request's fields, checked (UserError names the first bad one)."""
+  tokens = []
+  for chunk in (body.get("prompt") or {}).get("chunks") or []:
+    if chunk.get("type", "encoded_text") != "encoded_text":
+      raise UserError(f"prompt: {chunk.get('type')} chunks are not supported (text models)")
+    tokens.extend(chunk.get("tokens") or [])
+  prompt = np.asarray(tokens, np.int64)
+  if prompt.size == 0 or prompt.min() < 0 or prompt.max() >= vocab_size:
+    raise UserError(f"prompt: needs 1 or more token ids in [0, {vocab_size})")
+  n = body.get("num_samples", 1)
+  if not isinstance(n, int) or not 1 <= n <= 256:
+    raise UserError(f"num_samples must be an int in [1, 256], got {n!r}")
+  for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    if body.get(unsupported):
+      raise UserError(f"{unsupported} is not supported by this server")
+  if body.get("prompt_logprobs_last_n") or body.get("target_prompt_logprobs"):
+    raise UserError("prompt_logprobs_last_n / target_prompt_logprobs are not supported")
+  params = body.get("sampling_params") or {}
+  new = params.get("max_tokens") or DEFAULT_MAX_TOKENS
+  if not isinstance(new, int) or new < 1 or prompt.size + new > max_tokens:
+    raise UserError(f"max_tokens {new!r}: prompt ({prompt.size}) + max_tokens must be at "
+                    f"most {max_tokens}")
+  stop = params.get("stop")
+  stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+  if any(isinstance(s, str) for s in stop):
+    raise UserError("string stop sequences are not supported yet: pass stop token ids")
+  if len(stop) > MAX_STOP_TOKENS or any(not 0 <= int(s) < vocab_size for s in stop):
+    raise UserError(f"stop: at most {MAX_STOP_TOKENS} token ids in [0, {vocab_size})")
+  temperature = float(params.get("temperature", 1.0))
+  top_k, top_p = int(params.get("top_k", -1)), float(params.get("top_p", 1.0))
+  if temperature < 0 or not 0 < top_p <= 1 or top_k < -1 or top_k == 0:
+    raise UserError(f"sampling_params out of range: temperature {temperature}, top_k "
+                    f"{top_k}, top_p {top_p}")
+  seed = params.get("seed", body.get("seed"))
+  return SampleArgs(prompt.astype(np.int32), n, SamplingParams(
+      temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_new_tokens=new,
+      stop_tokens=tuple(int(s) for s in stop)),
+      int(seed) if seed is not None else int(np.random.default_rng().integers(2 ** 31)),
+      bool(body.get("prompt_logprobs")))
+
+
+class Sampler:
+  """The engine and the snapshots it samples with (id -> merged params)."""
+
+  def __init__(self, cfg, numerics, max_tokens: int, num_slots: int = 16):
+    self.cfg, self.numerics, self.max_tokens = cfg, numerics, max_tokens
+    self.num_slots = num_slots
+    self.engine: DecodeEngine | None = None
+    self._engine_weights: Any = None
+    self._requests = 0
+
+  def _engine_with(self, params) -> DecodeEngine:
+    if self.engine is None:
+      self.engine = DecodeEngine(self.cfg, params, numerics=self.numerics,
+                                 num_slots=self.num_slots, max_seq_len=self.max_tokens,
+                                 max_stop_tokens=MAX_STOP_TOKENS)
+    elif self._engine_weights is not params:
+      self.engine.update_weights(params, self.engine.version + 1)
+    self._engine_weights = params
+    return self.engine
+
+  def sample(self, params, args: SampleArgs) -> bytes:
+    """A serialized SampleResponse for `args` with the weights `params`."""
+    self._requests += 1
+    engine = self._engine_with(params)
+    trajs = engine.generate([Request(request_id=self._requests, prompt_ids=args.prompt,
+                                     n=args.num_samples, sampling=args.sampling,
+                                     seed=args.seed)])
+    out = pb.SampleResponse()
+    for t in sorted(trajs, key=lambda t: t.sample_index):
+      seq = out.sequences.add()
+      seq.tokens = np.asarray(t.completion_ids, np.int32).tobytes()
+      seq.logprobs = np.asarray(t.behaviour_logprobs, np.float32).tobytes()
+      seq.stop_reason = (pb.STOP_REASON_STOP if t.finish_reason in (FinishReason.EOS,
+                                                                    FinishReason.STOP)
+                         else pb.STOP_REASON_LENGTH)
+    if args.prompt_logprobs:
+      out.prompt_logprobs = self.prompt_logprobs(params, args.prompt).tobytes()
+    return out.SerializeToString()
+
+  def prompt_logprobs(self, params, prompt: np.ndarray) -> np.ndarray:
+    """log p(prompt[i] | prompt[:i]) for each position, NaN at 0 (nothing precedes it)."""
+    tokens = prompt[None]
+    lp = _prompt_forward(params, tokens, np.arange(prompt.size, dtype=np.int32)[None],
+                         np.concatenate([prompt[1:], prompt[:1]])[None], cfg=self.cfg,
+                         numerics=self.numerics)
+    out = np.empty(prompt.size, np.float32)
+    out[0] = np.nan
+    out[1:] = np.asarray(lp)[0, :-1]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics"))
+def _prompt_forward(params, tokens, positions, targets, cfg, numerics):
+  return forward(params, tokens, positions, cfg=cfg, numerics=numerics, targets=targets).logprobs
