@@ -7,11 +7,12 @@
 then, unchanged SDK code: `tinker.ServiceClient(base_url="http://HOST:8000")` (any API key
 starting with "tml-"), `create_lora_training_client(base_model=MODEL_NAME, rank=...)`,
 `forward_backward` (cross_entropy, importance_sampling, ppo), `forward`, `optim_step`,
-sampling clients (`sample`, `compute_logprobs`). Saved training states are not served yet
-(a clear 400 names them).
+sampling clients (`sample`, `compute_logprobs`), `save_state` / `load_state` (orbax, under
+--state_dir).
 """
 
 import os
+import tempfile
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -31,6 +32,8 @@ _PORT = flags.DEFINE_integer("port", 8000, "port (0: any free one, printed)")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "the base_model name clients ask "
                                   "for (default: the checkpoint directory, else "
                                   "config.name, else rljax/base)")
+_STATE_DIR = flags.DEFINE_string("state_dir", None, "the local directory save_state writes to "
+                                 "(default: a new temporary directory)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "longest datum in tokens (0: the "
                                    "model's max_position_embeddings)")
 
@@ -46,6 +49,7 @@ def main(argv):
                                else config.get("name") or "rljax/base")
   service = Service(built.cfg, base, numerics=built.numerics, model_name=name,
                     max_tokens=_MAX_TOKENS.value or built.cfg.max_position_embeddings,
+                    state_root=_STATE_DIR.value or tempfile.mkdtemp(prefix="rljax-tinker-"),
                     tokenizer_id=os.path.abspath(hf_dir) if hf_dir else None)
   server = make_server(service, _HOST.value, _PORT.value)
   host, port = server.server_address[:2]

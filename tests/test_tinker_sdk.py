@@ -31,10 +31,11 @@ def test_the_sdk_is_installed():
 
 
 @pytest.fixture(scope="module")
-def server(monkeypatch_module):
+def server(monkeypatch_module, tmp_path_factory):
   cfg = ModelConfig(**TINY).resolved("cpu", DET)
   base = cast(init_params(cfg, jax.random.key(0), "float32"), "bfloat16")
-  service = Service(cfg, base, numerics=DET, model_name=MODEL, max_tokens=256)
+  service = Service(cfg, base, numerics=DET, model_name=MODEL, max_tokens=256,
+                    state_root=str(tmp_path_factory.mktemp("tinker_states")))
   srv = make_server(service, "127.0.0.1", 0)
   threading.Thread(target=srv.serve_forever, daemon=True).start()
   monkeypatch_module.setenv("TINKER_API_KEY", "tml-local")
@@ -233,3 +234,43 @@ def test_sampling_clients_sample_the_trained_weights_with_the_trainers_logprobs(
         model_path=f"tinker://{tc.model_id}/sampler_weights/x")
     missing.sample(types.ModelInput.from_ints(prompt), 1,
                    types.SamplingParams(max_tokens=4)).result()
+
+
+def test_saved_states_load_back_bitwise(client):
+  tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+  data = _sft_data(_sequences(2, 10, seed=6))
+
+  def step():
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+  step()
+  saved = _logprobs(tc.forward(data, "cross_entropy").result())
+  path = tc.save_state("s1").result().path
+  assert path == f"tinker://{tc.model_id}/weights/s1"
+  step()
+  moved = _logprobs(tc.forward(data, "cross_entropy").result())
+  assert not np.array_equal(moved[0], saved[0])
+  tc.load_state(path).result()
+  back = _logprobs(tc.forward(data, "cross_entropy").result())
+  fresh = client.create_training_client_from_state_with_optimizer(path).result()
+  again = _logprobs(fresh.forward(data, "cross_entropy").result())
+  for x, y, z in zip(saved, back, again):
+    assert np.array_equal(x.view(np.uint32), y.view(np.uint32))
+    assert np.array_equal(x.view(np.uint32), z.view(np.uint32))
+  # with the optimizer state, the next step is the same step from either client
+  tc.load_state_with_optimizer(path).result()
+  for c in (tc, fresh):
+    c.forward_backward(data, "cross_entropy").result()
+    c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+  a, b = (_logprobs(c.forward(data, "cross_entropy").result()) for c in (tc, fresh))
+  assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+  with pytest.raises(tinker.RequestFailedError, match="saved at .* already"):
+    tc.save_state("s1").result()
+  with pytest.raises(tinker.RequestFailedError, match="no training state"):
+    tc.load_state(f"tinker://{tc.model_id}/weights/nope").result()
+  with pytest.raises(tinker.RequestFailedError, match="path must be a name"):
+    tc.save_state("../escape").result()
+  other = client.create_lora_training_client(base_model=MODEL, rank=8).result()
+  with pytest.raises(tinker.RequestFailedError, match="LoRA rank 4, this client 8"):
+    other.load_state(path).result()

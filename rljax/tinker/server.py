@@ -17,7 +17,7 @@ import uuid
 
 from rljax.tinker.service import ApiError, Service
 
-NOT_BUILT = ("save_weights", "load_weights", "save_weights_external")
+NOT_BUILT = ("save_weights_external",)
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -50,6 +50,9 @@ def _json_routes(service: Service) -> dict:
       "save_weights_for_sampler": lambda body: _future_reply(
           service.save_weights_for_sampler(body), model_id=body.get("model_id")),
       "create_sampling_session": service.create_sampling_session,
+      "save_weights": lambda body: _future_reply(service.save_state(body),
+                                                 model_id=body.get("model_id")),
+      "load_weights": lambda body: _future_reply(service.load_state(body)),
       "asample": sample,
   }
 
@@ -100,7 +103,7 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
           return self._json(200, {})
         if name in NOT_BUILT:
           raise ApiError(400, f"{name} is not implemented by rljax's Tinker server yet "
-                              "(saved training state and weight downloads)")
+                              "(weight downloads)")
         if name not in routes:
           raise ApiError(404, f"no route {path}")
         return self._json(200, routes[name](body))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from rljax.model import lora as lora_lib
 from rljax.tinker import wire
 from rljax.tinker.sampling import Sampler, sample_args
+from rljax.tinker.states import States, check_name, path_of
 from rljax.tinker.training import AdamParams, LoraTrainer, UserError
 
 LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
@@ -55,7 +56,7 @@ class Service:
   """`base`: the model's params in its serving dtype; every training client is a LoRA on it."""
 
   def __init__(self, cfg, base: Any, *, numerics, model_name: str, max_tokens: int,
-               tokenizer_id: str | None = None):
+               state_root: str, tokenizer_id: str | None = None):
     self.cfg, self.base, self.numerics = cfg, base, numerics
     self.model_name, self.max_tokens, self.tokenizer_id = model_name, max_tokens, tokenizer_id
     self.sessions: dict[str, bool] = {}  # id -> open
@@ -63,6 +64,7 @@ class Service:
     self.closed_models: set[str] = set()
     self.futures: dict[str, Future] = {}
     self.sampler = Sampler(cfg, numerics, max_tokens)
+    self.states = States(state_root)
     self.saved: dict[str, Any] = {}  # tinker://<model>/sampler_weights/<name> -> merged params
     self.samplers: dict[str, tuple[Any, str | None]] = {}  # sampling session -> (params, path)
     self._ids = itertools.count(1)
@@ -105,19 +107,27 @@ class Service:
     seq = body.get("model_seq_id")
     if not isinstance(seq, int) or seq < 0:
       raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+    seed = lora.get("seed")
+    return self._new_model(session_id, seq, rank, int(seed) if seed is not None else seq,
+                           lambda model: {"model_id": model.model_id, "type": "create_model"})
+
+  def _new_model(self, session_id: str, seq: int, rank: int, seed: int, first) -> Future:
+    """Model `{session}:train:{seq}` with fresh rank-`rank` adapters; its request 0 is
+    `first(model)` (run now: its result is the create's future)."""
     model_id = f"{session_id}:train:{seq}"
     with self._cond:
       if model_id in self.models:  # a retried submission
         return self.models[model_id].seen[0]
-      seed = lora.get("seed")
-      trainer = LoraTrainer(self.cfg, self.base, lora_lib.LoraConfig(rank=rank),
-                            seed=int(seed) if seed is not None else seq,
+      trainer = LoraTrainer(self.cfg, self.base, lora_lib.LoraConfig(rank=rank), seed=seed,
                             numerics=self.numerics, max_tokens=self.max_tokens)
       model = self.models[model_id] = Model(model_id, session_id, trainer)
-      future = self._future()
-      future.done, future.json = True, {"model_id": model_id, "type": "create_model"}
-      model.seen[0] = future
-      return future
+      future = model.seen[0] = self._future()
+    try:
+      future.json = first(model)
+    except UserError as e:
+      future.error = {"error": str(e), "category": "user"}
+    future.done = True
+    return future
 
   def model(self, model_id: str) -> Model:
     with self._cond:
@@ -194,6 +204,40 @@ class Service:
       return {"sampling_session_id": self._new_sampler(weights, None),
               "type": "save_weights_for_sampler"}
     return self.submit(model_id, body.get("seq_id"), work)
+
+  def save_state(self, body: dict) -> Future:
+    model_id = str(body.get("model_id"))
+
+    def work(trainer):
+      path = path_of(model_id, check_name(body.get("path")))
+      self.states.save(trainer, path, overwrite=bool(body.get("overwrite")))
+      return {"path": path, "type": "save_weights"}
+    return self.submit(model_id, body.get("seq_id"), work)
+
+  def load_state(self, body: dict) -> Future:
+    """`load_weights`: onto a client (its next request in order), or, with session_id and
+    model_seq_id, a new client made from the state (its request 0)."""
+    path, optimizer = body.get("path"), bool(body.get("optimizer"))
+    if "model_id" in body:
+      def work(trainer):
+        self.states.load(trainer, path, optimizer=optimizer)
+        return {"path": path, "type": "load_weights"}
+      return self.submit(str(body.get("model_id")), body.get("seq_id"), work)
+    session_id, seq = str(body.get("session_id")), body.get("model_seq_id")
+    self.open_session(session_id)
+    if not isinstance(seq, int) or seq < 0:
+      raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+    try:
+      if not self.states.exists(path):
+        raise ApiError(404, f"no training state at {path!r}")
+      rank = self.states.rank(path)
+    except UserError as e:
+      raise ApiError(400, str(e)) from None
+
+    def first(model):
+      self.states.load(model.trainer, path, optimizer=optimizer)
+      return {"model_id": model.model_id, "path": path, "type": "load_weights"}
+    return self._new_model(session_id, seq, rank, seq, first)
 
   def create_sampling_session(self, body: dict) -> dict:
     self.open_session(str(body.get("session_id")))

@@ -204,6 +204,20 @@ class LoraTrainer:
     tokens = sum(len(d.tokens) for d in datums)
     return logprobs, {"loss:sum": float(total), "tokens:sum": float(tokens)}
 
+  def state(self) -> dict[str, Any]:
+    """What `save_state` keeps: the adapters and AdamW's moments and step count."""
+    return {"adapters": self.adapters, "opt_state": self.opt_state}
+
+  def load_state(self, state: dict[str, Any], *, optimizer: bool) -> None:
+    """The adapters of a saved state (and, with `optimizer`, its AdamW state; else a fresh
+    one); gradients summed since the last optim_step are dropped."""
+    self.adapters = state["adapters"]
+    zeros = lambda: jax.tree.map(jnp.zeros_like, self.adapters)  # noqa: E731
+    self.opt_state = (state["opt_state"] if optimizer else
+                      {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()})
+    self.grads = zeros()
+    self.pending_datums = 0
+
   def optim_step(self, adam: AdamParams) -> dict[str, float]:
     hyper = {"lr": adam.learning_rate, "b1": adam.beta1, "b2": adam.beta2, "eps": adam.eps,
              "wd": adam.weight_decay, "clip": adam.grad_clip_norm}
