@@ -2,8 +2,9 @@
 clients (`save_weights_for_sampler`), and `asample` (sampled tokens with their log-probs,
 optionally the prompt's log-probs) with a snapshot's weights.
 
-One `DecodeEngine` serves every snapshot: a request runs with its snapshot's weights
-(`update_weights` when they differ from the engine's). The sampled tokens' log-probs are
+One `DecodeEngine` serves every snapshot: a request runs with its snapshot's weights (the
+base with the snapshot's adapters merged, `update_weights` when they differ from the
+engine's), so a snapshot costs its adapters' memory, not a model's. The sampled tokens' log-probs are
 the engine's (`behaviour_logprobs`), in deterministic numerics the training forward's bits
 for the same tokens; prompt log-probs come from the training forward on the snapshot.
 """
@@ -21,7 +22,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import forward
 from rljax.rl.trajectory import FinishReason
-from rljax.tinker.training import UserError
+from rljax.rl import learner
+from rljax.tinker.training import Snapshot, UserError
 
 DEFAULT_MAX_TOKENS = 64
 MAX_STOP_TOKENS = 4
@@ -79,32 +81,38 @@ def sample_args(body: dict, vocab_size: int, max_tokens: int) -> SampleArgs:
 
 
 class Sampler:
-  """The engine and the snapshots it samples with (id -> merged params)."""
+  """The engine, with the weights of the snapshot it last sampled."""
 
-  def __init__(self, cfg, numerics, max_tokens: int, num_slots: int = 16):
-    self.cfg, self.numerics, self.max_tokens = cfg, numerics, max_tokens
+  def __init__(self, cfg, base: Any, numerics, max_tokens: int, num_slots: int = 16):
+    self.cfg, self.base, self.numerics, self.max_tokens = cfg, base, numerics, max_tokens
     self.num_slots = num_slots
     self.engine: DecodeEngine | None = None
-    self._engine_weights: Any = None
+    self._snapshot: Snapshot | None = None
+    self._params: Any = None
     self._requests = 0
 
-  def _engine_with(self, params) -> DecodeEngine:
+  def _engine_with(self, snapshot: Snapshot) -> DecodeEngine:
+    if self.engine is not None and snapshot is self._snapshot:
+      return self.engine
+    self._params = (self.base if snapshot.adapters is None else
+                    learner.merged_params(self.base, snapshot.adapters, snapshot.lora))
     if self.engine is None:
-      self.engine = DecodeEngine(self.cfg, params, numerics=self.numerics,
+      self.engine = DecodeEngine(self.cfg, self._params, numerics=self.numerics,
                                  num_slots=self.num_slots, max_seq_len=self.max_tokens,
                                  max_stop_tokens=MAX_STOP_TOKENS)
-    elif self._engine_weights is not params:
-      self.engine.update_weights(params, self.engine.version + 1)
-    self._engine_weights = params
+    else:
+      self.engine.update_weights(self._params, self.engine.version + 1)
+    self._snapshot = snapshot
     return self.engine
 
-  def sample(self, params, args: SampleArgs) -> bytes:
-    """A serialized SampleResponse for `args` with the weights `params`."""
+  def sample(self, snapshot: Snapshot, args: SampleArgs) -> bytes:
+    """A serialized SampleResponse for `args` with the snapshot's weights."""
     self._requests += 1
-    engine = self._engine_with(params)
+    engine = self._engine_with(snapshot)
+    # sampling_id 0: the request's seed alone keys its draws (the same seed, the same samples)
     trajs = engine.generate([Request(request_id=self._requests, prompt_ids=args.prompt,
                                      n=args.num_samples, sampling=args.sampling,
-                                     seed=args.seed)])
+                                     seed=args.seed, sampling_id=0)])
     out = pb.SampleResponse()
     for t in sorted(trajs, key=lambda t: t.sample_index):
       seq = out.sequences.add()
@@ -114,7 +122,7 @@ class Sampler:
                                                                     FinishReason.STOP)
                          else pb.STOP_REASON_LENGTH)
     if args.prompt_logprobs:
-      out.prompt_logprobs = self.prompt_logprobs(params, args.prompt).tobytes()
+      out.prompt_logprobs = self.prompt_logprobs(self._params, args.prompt).tobytes()
     return out.SerializeToString()
 
   def prompt_logprobs(self, params, prompt: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from rljax.model import lora as lora_lib
 from rljax.tinker import wire
 from rljax.tinker.sampling import Sampler, sample_args
 from rljax.tinker.states import States, check_name, path_of
-from rljax.tinker.training import AdamParams, LoraTrainer, UserError
+from rljax.tinker.training import AdamParams, LoraTrainer, Snapshot, UserError
 
 LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
 
@@ -63,10 +63,11 @@ class Service:
     self.models: dict[str, Model] = {}
     self.closed_models: set[str] = set()
     self.futures: dict[str, Future] = {}
-    self.sampler = Sampler(cfg, numerics, max_tokens)
+    self.sampler = Sampler(cfg, base, numerics, max_tokens)
     self.states = States(state_root)
-    self.saved: dict[str, Any] = {}  # tinker://<model>/sampler_weights/<name> -> merged params
-    self.samplers: dict[str, tuple[Any, str | None]] = {}  # sampling session -> (params, path)
+    self.saved: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
+    self.samplers: dict[str, tuple[Snapshot, str | None]] = {}  # session -> (weights, path)
+    self._base = Snapshot()
     self._ids = itertools.count(1)
     self._cond = threading.Condition()
     self._work: list[tuple[Future, Callable]] = []
@@ -196,7 +197,7 @@ class Service:
       raise ApiError(400, f"path must be a name without '/', got {name!r}")
 
     def work(trainer):
-      weights = trainer.merged()
+      weights = trainer.snapshot()
       if name is not None:
         path = f"tinker://{model_id}/sampler_weights/{name}"
         self.saved[path] = weights
@@ -249,7 +250,7 @@ class Service:
     if base_model != self.model_name:
       raise ApiError(404, f"base_model {base_model!r} is not served here; this server "
                           f"samples {self.model_name!r}")
-    return {"sampling_session_id": self._new_sampler(self.base, None)}
+    return {"sampling_session_id": self._new_sampler(self._base, None)}
 
   def _new_sampler(self, weights, path) -> str:
     sampler_id = f"ss{uuid.uuid4().hex[:12]}"

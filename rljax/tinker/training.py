@@ -76,6 +76,16 @@ class AdamParams:
     return params
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Snapshot:
+  """The weights a sampling client samples with: the base with `adapters` merged (None:
+  the base itself). Only the adapters are kept (a LoRA's size, not the model's): the
+  sampler merges them when it switches to them."""
+
+  lora: lora_lib.LoraConfig | None = None
+  adapters: Any = None
+
+
 def _pow2(n: int, floor: int) -> int:
   return max(floor, 1 << max(0, (n - 1).bit_length()))
 
@@ -143,6 +153,10 @@ class LoraTrainer:
   def merged(self) -> Any:
     """The base with the adapters merged: the weights a sampler of this client serves."""
     return learner.merged_params(self.base, self.adapters, self.lora)
+
+  def snapshot(self) -> Snapshot:
+    """The adapters as they are now (copied: `optim_step` donates the live ones)."""
+    return Snapshot(self.lora, jax.tree.map(jnp.copy, self.adapters))
 
   def check(self, datums: list[Datum], kind: str) -> None:
     if kind not in LOSSES:
