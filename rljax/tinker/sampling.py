@@ -4,9 +4,10 @@ optionally the prompt's log-probs) with a snapshot's weights.
 
 One `DecodeEngine` serves every snapshot: a request runs with its snapshot's weights (the
 base with the snapshot's adapters merged, `update_weights` when they differ from the
-engine's), so a snapshot costs its adapters' memory, not a model's. The sampled tokens' log-probs are
-the engine's (`behaviour_logprobs`), in deterministic numerics the training forward's bits
-for the same tokens; prompt log-probs come from the training forward on the snapshot.
+engine's), so a snapshot costs its adapters' memory, not a model's. The sampled tokens'
+log-probs are the engine's (`behaviour_logprobs`), in deterministic numerics the training
+forward's bits for the same tokens; prompt log-probs come from the training forward on the
+snapshot.
 """
 
 from __future__ import annotations
