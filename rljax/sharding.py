@@ -92,11 +92,14 @@ class Sharding:
       out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(out)
 
+  def mesh_axes(self, logical: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the logical axis `logical`, in order."""
+    axes = self.spec((logical,))[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
   def shards(self, logical: str) -> int:
     """How many ways this mesh splits the logical axis `logical`."""
-    axes = self.spec((logical,))[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([self.mesh.shape[a] for a in axes]))
+    return int(np.prod([self.mesh.shape[a] for a in self.mesh_axes(logical)]))
 
   @functools.lru_cache(maxsize=None)
   def process_part(self, logical: str) -> tuple[int, int]:

@@ -382,8 +382,7 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
 def _token_axes(sharding: sharding_lib.Sharding, num_tokens: int) -> tuple[str, ...]:
   """The mesh axes `_experts_sharded` splits the tokens over: the batch's, and `model`
   where it divides each batch shard's tokens (else every model shard computes them all)."""
-  batch = sharding.spec(("batch",))[0]
-  axes = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+  axes = sharding.mesh_axes("batch")
   model = sharding.axis_size("model")
   if model > 1 and (num_tokens // sharding.shards("batch")) % model == 0:
     axes += ("model",)

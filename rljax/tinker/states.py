@@ -59,8 +59,9 @@ class States:
   def load(self, trainer: LoraTrainer, path: str, *, optimizer: bool) -> None:
     if not self.exists(path):
       raise UserError(f"no training state at {path!r}")
-    if self.rank(path) != trainer.lora.rank:
-      raise UserError(f"the state at {path!r} has LoRA rank {self.rank(path)}, this client "
+    rank = self.rank(path)
+    if rank != trainer.lora.rank:
+      raise UserError(f"the state at {path!r} has LoRA rank {rank}, this client "
                       f"{trainer.lora.rank}")
     with Checkpointer(os.path.join(self._directory(path), "orbax"), keep_last=1,
                       async_save=False) as ckpt:

@@ -137,6 +137,16 @@ def _adamw(adapters, opt_state, grads, hyper):
   return adapters, {"count": count, "mu": mu, "nu": nu}, norm
 
 
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _fresh_adam(adapters: Any) -> dict[str, Any]:
+  """AdamW's state before its first step: no steps, zero moments."""
+  return {"count": jnp.zeros((), jnp.int32), "mu": _zeros_like(adapters),
+          "nu": _zeros_like(adapters)}
+
+
 class LoraTrainer:
   """A training client's adapters on `base` (the model's params in its serving dtype)."""
 
@@ -145,9 +155,8 @@ class LoraTrainer:
     self.cfg, self.base, self.lora, self.numerics = cfg, base, lora, numerics
     self.max_tokens = max_tokens
     self.adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(seed))
-    zeros = lambda: jax.tree.map(jnp.zeros_like, self.adapters)  # noqa: E731
-    self.grads = zeros()
-    self.opt_state = {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()}
+    self.grads = _zeros_like(self.adapters)
+    self.opt_state = _fresh_adam(self.adapters)
     self.pending_datums = 0  # datums whose gradients are in self.grads
 
   def merged(self) -> Any:
@@ -198,8 +207,10 @@ class LoraTrainer:
     row_len = _pow2(max(len(d.tokens) for d in datums), MIN_ROW)
     row_len = -(-row_len // page) * page
     packed = pack([d.tokens for d in datums], row_len, page)
-    packed = pack([d.tokens for d in datums], row_len, page,
-                  num_rows=_pow2(packed.tokens.shape[0], 1))
+    rows = packed.tokens.shape[0]
+    pad = ((0, _pow2(rows, 1) - rows), (0, 0))  # padding rows: segment 0, no loss
+    packed = dataclasses.replace(packed, **{f: np.pad(getattr(packed, f), pad) for f in
+                                            ("tokens", "positions", "segment_ids")})
     batch = {"tokens": packed.tokens, "positions": packed.positions,
              "segments": packed.segment_ids}
     for key in LOSSES[kind]:
@@ -226,10 +237,8 @@ class LoraTrainer:
     """The adapters of a saved state (and, with `optimizer`, its AdamW state; else a fresh
     one); gradients summed since the last optim_step are dropped."""
     self.adapters = state["adapters"]
-    zeros = lambda: jax.tree.map(jnp.zeros_like, self.adapters)  # noqa: E731
-    self.opt_state = (state["opt_state"] if optimizer else
-                      {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()})
-    self.grads = zeros()
+    self.opt_state = state["opt_state"] if optimizer else _fresh_adam(self.adapters)
+    self.grads = _zeros_like(self.adapters)
     self.pending_datums = 0
 
   def optim_step(self, adam: AdamParams) -> dict[str, float]:
@@ -238,7 +247,7 @@ class LoraTrainer:
     hyper = {k: jnp.float32(v) for k, v in hyper.items()}
     self.adapters, self.opt_state, norm = _adamw(self.adapters, self.opt_state, self.grads,
                                                  hyper)
-    self.grads = jax.tree.map(jnp.zeros_like, self.adapters)
+    self.grads = _zeros_like(self.adapters)
     datums, self.pending_datums = self.pending_datums, 0
     return {"optim/grad_norm:mean": float(norm), "optim/datums:sum": float(datums),
             "optim/step:max": float(self.opt_state["count"])}
