@@ -7,7 +7,8 @@
 then, unchanged SDK code: `tinker.ServiceClient(base_url="http://HOST:8000")` (any API key
 starting with "tml-"), `create_lora_training_client(base_model=MODEL_NAME, rank=...)`,
 `forward_backward` (cross_entropy, importance_sampling, ppo), `forward`, `optim_step`,
-sampling clients (`sample`, `compute_logprobs`), `save_state` / `load_state` (orbax, under
+sampling clients (`sample`, `compute_logprobs`; stop token ids and, with a tokenizer,
+stop strings), `save_state` / `load_state` (orbax, under
 --state_dir).
 """
 
@@ -18,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rljax import numerics
+from rljax.envs.tokenizer import TransformersTokenizer
 from rljax.pipeline import core
 from rljax.pipeline.config_error import init_from_hf
 from rljax.pipeline.run import MODEL_ONLY, build
@@ -34,6 +36,9 @@ _MODEL_NAME = flags.DEFINE_string("model_name", None, "the base_model name clien
                                   "config.name, else rljax/base)")
 _STATE_DIR = flags.DEFINE_string("state_dir", None, "the local directory save_state writes to "
                                  "(default: a new temporary directory)")
+_TOKENIZER_DIR = flags.DEFINE_string("tokenizer_dir", None, "a transformers tokenizer "
+                                     "directory: EOS stops sampling, stop strings match "
+                                     "its text (default: the hf: checkpoint's directory)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "longest datum in tokens (0: the "
                                    "model's max_position_embeddings)")
 
@@ -47,10 +52,13 @@ def main(argv):
   hf_dir = init_from_hf(config)
   name = _MODEL_NAME.value or (os.path.abspath(hf_dir) if hf_dir
                                else config.get("name") or "rljax/base")
+  tokenizer_dir = _TOKENIZER_DIR.value or hf_dir
   service = Service(built.cfg, base, numerics=built.numerics, model_name=name,
                     max_tokens=_MAX_TOKENS.value or built.cfg.max_position_embeddings,
                     state_root=_STATE_DIR.value or tempfile.mkdtemp(prefix="rljax-tinker-"),
-                    tokenizer_id=os.path.abspath(hf_dir) if hf_dir else None)
+                    tokenizer_id=os.path.abspath(tokenizer_dir) if tokenizer_dir else None,
+                    tokenizer=TransformersTokenizer.from_dir(tokenizer_dir)
+                    if tokenizer_dir else None)
   server = make_server(service, _HOST.value, _PORT.value)
   host, port = server.server_address[:2]
   logging.info("Tinker service for %r on http://%s:%d", name, host, port)

@@ -228,7 +228,7 @@ def test_sampling_clients_sample_the_trained_weights_with_the_trainers_logprobs(
                          types.SamplingParams(max_tokens=4, temperature=0.0)).result()
             for _ in range(2)]
   assert greedy[0].sequences[0].tokens == greedy[1].sequences[0].tokens
-  with pytest.raises(tinker.BadRequestError, match="string stop"):
+  with pytest.raises(tinker.BadRequestError, match="stop strings need the server.s tokenizer"):
     named.sample(types.ModelInput.from_ints(prompt), 1,
                  types.SamplingParams(max_tokens=4, stop=["User:"])).result()
   with pytest.raises(tinker.BadRequestError, match="max_tokens"):

@@ -7,7 +7,8 @@ base with the snapshot's adapters merged, `update_weights` when they differ from
 engine's), so a snapshot costs its adapters' memory, not a model's. The sampled tokens'
 log-probs are the engine's (`behaviour_logprobs`), in deterministic numerics the training
 forward's bits for the same tokens; prompt log-probs come from the training forward on the
-snapshot.
+snapshot. Stop token ids stop the engine; stop strings (`rljax.tinker.stops`) cut each
+finished sequence after the token that completes the first match.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import forward
 from rljax.rl.trajectory import FinishReason
 from rljax.rl import learner
+from rljax.tinker.stops import MAX_STOP_TOKENS, TextOf, parse_stops, stop_cut
 from rljax.tinker.training import Snapshot, UserError
 
 DEFAULT_MAX_TOKENS = 64
-MAX_STOP_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +38,14 @@ class SampleArgs:
   sampling: SamplingParams
   seed: int
   prompt_logprobs: bool
+  stop_strings: tuple[str, ...] = ()
 
 
-def sample_args(body: dict, vocab_size: int, max_tokens: int) -> SampleArgs:
-  """The asample request's fields, checked (UserError names the first bad one)."""
+def sample_args(body: dict, vocab_size: int, max_tokens: int, *, eos_id: int | None = None,
+                can_match_text: bool = False) -> SampleArgs:
+  """The asample request's fields, checked (UserError names the first bad one). `eos_id`:
+  the tokenizer's EOS, a stop token unless `stop` is `[]`; `can_match_text`: the server can
+  decode tokens (stop strings need it)."""
   tokens = []
   for chunk in (body.get("prompt") or {}).get("chunks") or []:
     if chunk.get("type", "encoded_text") != "encoded_text":
@@ -62,12 +67,8 @@ def sample_args(body: dict, vocab_size: int, max_tokens: int) -> SampleArgs:
   if not isinstance(new, int) or new < 1 or prompt.size + new > max_tokens:
     raise UserError(f"max_tokens {new!r}: prompt ({prompt.size}) + max_tokens must be at "
                     f"most {max_tokens}")
-  stop = params.get("stop")
-  stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
-  if any(isinstance(s, str) for s in stop):
-    raise UserError("string stop sequences are not supported yet: pass stop token ids")
-  if len(stop) > MAX_STOP_TOKENS or any(not 0 <= int(s) < vocab_size for s in stop):
-    raise UserError(f"stop: at most {MAX_STOP_TOKENS} token ids in [0, {vocab_size})")
+  stops = parse_stops(params.get("stop"), vocab_size=vocab_size, eos_id=eos_id,
+                      can_match_text=can_match_text)
   temperature = float(params.get("temperature", 1.0))
   top_k, top_p = int(params.get("top_k", -1)), float(params.get("top_p", 1.0))
   if temperature < 0 or not 0 < top_p <= 1 or top_k < -1 or top_k == 0:
@@ -76,16 +77,20 @@ def sample_args(body: dict, vocab_size: int, max_tokens: int) -> SampleArgs:
   seed = params.get("seed", body.get("seed"))
   return SampleArgs(prompt.astype(np.int32), n, SamplingParams(
       temperature=temperature, top_k=max(top_k, 0), top_p=top_p, max_new_tokens=new,
-      stop_tokens=tuple(int(s) for s in stop)),
+      stop_tokens=stops.tokens),
       int(seed) if seed is not None else int(np.random.default_rng().integers(2 ** 31)),
-      bool(body.get("prompt_logprobs")))
+      bool(body.get("prompt_logprobs")), stops.strings)
 
 
 class Sampler:
-  """The engine, with the weights of the snapshot it last sampled."""
+  """The engine, with the weights of the snapshot it last sampled. `tokenizer`
+  (`rljax.envs.tokenizer.TransformersTokenizer`, optional): what stop strings are matched
+  with."""
 
-  def __init__(self, cfg, base: Any, numerics, max_tokens: int, num_slots: int = 16):
+  def __init__(self, cfg, base: Any, numerics, max_tokens: int, num_slots: int = 16,
+               tokenizer=None):
     self.cfg, self.base, self.numerics, self.max_tokens = cfg, base, numerics, max_tokens
+    self.text_of = TextOf(tokenizer) if tokenizer is not None else None
     self.num_slots = num_slots
     self.engine: DecodeEngine | None = None
     self._snapshot: Snapshot | None = None
@@ -116,12 +121,15 @@ class Sampler:
                                      seed=args.seed, sampling_id=0)])
     out = pb.SampleResponse()
     for t in sorted(trajs, key=lambda t: t.sample_index):
+      tokens, logprobs = list(t.completion_ids), np.asarray(t.behaviour_logprobs, np.float32)
+      stopped = t.finish_reason in (FinishReason.EOS, FinishReason.STOP)
+      k = stop_cut(tokens, args.stop_strings, self.text_of) if args.stop_strings else None
+      if k is not None:  # a stop string: the tokens end with the one completing it
+        tokens, logprobs, stopped = tokens[:k], logprobs[:k], True
       seq = out.sequences.add()
-      seq.tokens = np.asarray(t.completion_ids, np.int32).tobytes()
-      seq.logprobs = np.asarray(t.behaviour_logprobs, np.float32).tobytes()
-      seq.stop_reason = (pb.STOP_REASON_STOP if t.finish_reason in (FinishReason.EOS,
-                                                                    FinishReason.STOP)
-                         else pb.STOP_REASON_LENGTH)
+      seq.tokens = np.asarray(tokens, np.int32).tobytes()
+      seq.logprobs = logprobs.tobytes()
+      seq.stop_reason = pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH
     if args.prompt_logprobs:
       out.prompt_logprobs = self.prompt_logprobs(self._params, args.prompt).tobytes()
     return out.SerializeToString()

@@ -53,17 +53,25 @@ class Model:
 
 
 class Service:
-  """`base`: the model's params in its serving dtype; every training client is a LoRA on it."""
+  """`base`: the model's params in its serving dtype; every training client is a LoRA on it.
+  `tokenizer` (`rljax.envs.tokenizer.TransformersTokenizer`, optional): its EOS stops
+  sampling by default, and stop strings are matched on its text; `tokenizer_id` (what
+  `get_info` tells clients to load) defaults to its directory."""
 
   def __init__(self, cfg, base: Any, *, numerics, model_name: str, max_tokens: int,
-               state_root: str, tokenizer_id: str | None = None):
+               state_root: str, tokenizer_id: str | None = None, tokenizer=None):
     self.cfg, self.base, self.numerics = cfg, base, numerics
-    self.model_name, self.max_tokens, self.tokenizer_id = model_name, max_tokens, tokenizer_id
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+      raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids, the model "
+                       f"{cfg.vocab_size}")
+    self.model_name, self.max_tokens, self.tokenizer = model_name, max_tokens, tokenizer
+    self.tokenizer_id = tokenizer_id or (
+        getattr(tokenizer.hf, "name_or_path", None) if tokenizer is not None else None)
     self.sessions: dict[str, bool] = {}  # id -> open
     self.models: dict[str, Model] = {}
     self.closed_models: set[str] = set()
     self.futures: dict[str, Future] = {}
-    self.sampler = Sampler(cfg, base, numerics, max_tokens)
+    self.sampler = Sampler(cfg, base, numerics, max_tokens, tokenizer=tokenizer)
     self.states = States(state_root)
     self.saved: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
     self.samplers: dict[str, tuple[Snapshot, str | None]] = {}  # session -> (weights, path)
@@ -270,7 +278,9 @@ class Service:
     if sampler_id not in self.samplers:
       raise ApiError(404, f"sampling session {sampler_id!r} does not exist")
     try:
-      args = sample_args(body, self.cfg.vocab_size, self.max_tokens)
+      args = sample_args(body, self.cfg.vocab_size, self.max_tokens,
+                         eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,
+                         can_match_text=self.tokenizer is not None)
     except UserError as e:
       raise ApiError(400, str(e)) from None
     weights = self.samplers[sampler_id][0]
