@@ -14,6 +14,9 @@ install: .venv/.installed
 # packages created after the install (rljax/, pallas_kernels/, configs/) still import.
 .venv/.installed: pyproject.toml | .venv/bin/python
 	$(PIP) install -q -e '.[test]' --config-settings editable_mode=compat
+	# tinker-cookbook without its requirements: they are in .[test] but tml-renderers>=0.4.1,
+	# which no registry we reach has (pyproject.toml's test extra says why that is fine)
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 # The async pipeline on configs/arith_tiny.py: trainer + 2 rollout-host processes on a

@@ -57,6 +57,7 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 146
     "test_learning.py", "test_function_call.py", "test_rollout_host.py",  # 40-36
     "test_batch_parts.py",  # 33
     "test_hf_import.py", "test_own_checkpoint_e2e.py", "test_lora.py",  # 31-30
+    "test_tinker_cookbook.py",  # 29 (cold compile cache, -n 0, a loaded machine)
     "test_scan_layers.py", "test_det_attention_kernel.py", "test_engine_sharded.py",  # 29-25
 )
 
