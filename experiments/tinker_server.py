@@ -9,7 +9,8 @@ starting with "tml-"), `create_lora_training_client(base_model=MODEL_NAME, rank=
 `forward_backward` (cross_entropy, importance_sampling, ppo), `forward`, `optim_step`,
 sampling clients (`sample`, `compute_logprobs`; stop token ids and, with a tokenizer,
 stop strings), `save_state` / `load_state` (orbax, under
---state_dir).
+--state_dir), `save_weights_external` and its download (`get_external_weights_urls`,
+`tinker_cookbook.weights.download`: a PEFT adapter, served from --state_dir).
 """
 
 import os

@@ -3,7 +3,8 @@
 JSON bodies, except `forward_backward` (a protobuf ForwardBackwardRequest) and the results
 of forward/backward and sampling futures (protobuf). Errors at submission are JSON
 `{"detail": ...}` with `x-should-retry: false`, so the SDK raises its exception for the
-status at once instead of retrying.
+status at once instead of retrying. Weight downloads (`rljax.tinker.weights`): a download
+url, GET `external_weights_files/<token>/<file>`, streams an export's file as it is.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import os
 import re
+import shutil
 import traceback
+import urllib.parse
 import uuid
 
 from rljax.tinker.service import ApiError, Service
-
-NOT_BUILT = ("save_weights_external",)
+from rljax.tinker.weights import FILES_ROUTE, checkpoint_route
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -52,6 +55,8 @@ def _json_routes(service: Service) -> dict:
       "create_sampling_session": service.create_sampling_session,
       "save_weights": lambda body: _future_reply(service.save_state(body),
                                                  model_id=body.get("model_id")),
+      "save_weights_external": lambda body: _future_reply(
+          service.save_weights_external(body), model_id=body.get("model_id")),
       "load_weights": lambda body: _future_reply(service.load_state(body)),
       "asample": sample,
   }
@@ -88,7 +93,16 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if not path.startswith("/api/v1/"):
           raise ApiError(404, f"no route {path}")
-        name = path[len("/api/v1/"):]
+        name = urllib.parse.unquote(path[len("/api/v1/"):])
+        if method == "GET" and name.startswith(f"{FILES_ROUTE}/"):
+          return self._file(name[len(FILES_ROUTE) + 1:])
+        checkpoint = checkpoint_route(name)
+        if checkpoint is not None:  # external weights: download urls, TTL, delete
+          return self._json(200, service.checkpoint(method, *checkpoint,
+                                                    self._body(raw) if raw else {},
+                                                    self._server_url()))
+        if method != "POST" and method != "GET":
+          raise ApiError(404, f"no route {method} {path}")
         if method == "GET":
           return self._json(200, self._get(name))
         if name == "forward_backward":
@@ -101,9 +115,6 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
         if finish:
           service.finish_session(finish.group(1))
           return self._json(200, {})
-        if name in NOT_BUILT:
-          raise ApiError(400, f"{name} is not implemented by rljax's Tinker server yet "
-                              "(weight downloads)")
         if name not in routes:
           raise ApiError(404, f"no route {path}")
         return self._json(200, routes[name](body))
@@ -123,6 +134,24 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
       if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
       return body
+
+    def _server_url(self) -> str:
+      """This server as the client reached it (download urls point back here)."""
+      host = self.headers.get("Host")
+      if not host:
+        host = "%s:%d" % self.server.server_address[:2]
+      return f"http://{host}"
+
+    def _file(self, rest: str):
+      """A download url's file (`<token>/<file>`), streamed."""
+      token, _, file_name = rest.partition("/")
+      local = service.external_file(token, file_name)
+      with open(local, "rb") as f:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
+        self.end_headers()
+        shutil.copyfileobj(f, self.wfile, 1 << 20)
 
     def _get(self, name: str) -> dict:
       if name == "healthz":
@@ -151,5 +180,11 @@ def make_server(service: Service, host: str, port: int) -> http.server.Threading
 
     def do_POST(self):  # noqa: N802
       self._handle("POST")
+
+    def do_PUT(self):  # noqa: N802
+      self._handle("PUT")
+
+    def do_DELETE(self):  # noqa: N802
+      self._handle("DELETE")
 
   return _Server((host, port), Handler)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import traceback
 import uuid
@@ -23,6 +24,7 @@ from rljax.tinker import wire
 from rljax.tinker.sampling import Sampler, sample_args
 from rljax.tinker.states import States, check_name, path_of
 from rljax.tinker.training import AdamParams, LoraTrainer, Snapshot, UserError
+from rljax.tinker.weights import ExternalWeights, WeightsNotFound
 
 LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
 
@@ -73,6 +75,8 @@ class Service:
     self.futures: dict[str, Future] = {}
     self.sampler = Sampler(cfg, base, numerics, max_tokens, tokenizer=tokenizer)
     self.states = States(state_root)
+    self.external = ExternalWeights(os.path.join(state_root, "external_weights"), cfg,
+                                    model_name)
     self.saved: dict[str, Snapshot] = {}  # tinker://<model>/sampler_weights/<name>
     self.samplers: dict[str, tuple[Snapshot, str | None]] = {}  # session -> (weights, path)
     self._base = Snapshot()
@@ -222,6 +226,42 @@ class Service:
       self.states.save(trainer, path, overwrite=bool(body.get("overwrite")))
       return {"path": path, "type": "save_weights"}
     return self.submit(model_id, body.get("seq_id"), work)
+
+  def save_weights_external(self, body: dict) -> Future:
+    """The client's adapters as a PEFT adapter (`rljax.tinker.weights`), downloadable."""
+    model_id = str(body.get("model_id"))
+
+    def work(trainer):
+      path, size = self.external.save(
+          model_id, body.get("path"), trainer.lora, trainer.adapters,
+          ttl_seconds=body.get("ttl_seconds"), recipients=body.get("age_encryption_recipients"))
+      return {"path": path, "size_bytes": size, "type": "save_weights_external"}
+    return self.submit(model_id, body.get("seq_id"), work)
+
+  def checkpoint(self, method: str, model_id: str, checkpoint_id: str, action: str,
+                 body: dict, server_url: str) -> dict:
+    """An external weights export's download urls (GET .../external_weights_urls), TTL
+    (PUT .../ttl) or deletion (DELETE)."""
+    try:
+      if (method, action) == ("GET", "external_weights_urls"):
+        return self.external.urls(model_id, checkpoint_id, server_url)
+      if (method, action) == ("PUT", "ttl"):
+        self.external.set_ttl(model_id, checkpoint_id, body.get("ttl_seconds"))
+        return {}
+      if (method, action) == ("DELETE", ""):
+        self.external.delete(model_id, checkpoint_id)
+        return {}
+    except WeightsNotFound as e:
+      raise ApiError(404, str(e)) from None
+    except UserError as e:
+      raise ApiError(400, str(e)) from None
+    raise ApiError(404, f"no route {method} .../checkpoints/{checkpoint_id}/{action}")
+
+  def external_file(self, token: str, name: str) -> str:
+    try:
+      return self.external.file(token, name)
+    except WeightsNotFound as e:
+      raise ApiError(404, str(e)) from None
 
   def load_state(self, body: dict) -> Future:
     """`load_weights`: onto a client (its next request in order), or, with session_id and
