@@ -52,12 +52,12 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 146
     "test_pipeline.py", "test_learning_external.py",  # 124-100
     "test_notebooks.py", "test_sharded.py", "test_learner.py",  # 77-68
     "test_device_check.py", "test_python_tool_env.py", "test_engine.py",  # 62-59
+    "test_tinker_cookbook.py",  # 50 (rl_basic + sl_basic; cold compile cache, -n 0, 2 cores)
     "test_lora_stream.py", "test_async_pipeline.py", "test_openai_endpoint.py",  # 50-48
     "test_model_invariance.py", "test_sandbox.py", "test_distributed_job.py",  # 43-42
     "test_learning.py", "test_function_call.py", "test_rollout_host.py",  # 40-36
     "test_batch_parts.py",  # 33
     "test_hf_import.py", "test_own_checkpoint_e2e.py", "test_lora.py",  # 31-30
-    "test_tinker_cookbook.py",  # 29 (cold compile cache, -n 0, a loaded machine)
     "test_scan_layers.py", "test_det_attention_kernel.py", "test_engine_sharded.py",  # 29-25
 )
 

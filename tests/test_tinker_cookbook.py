@@ -1,12 +1,15 @@
-"""A tinker-cookbook recipe, unchanged but for base URL, model name and sizes, run end to
+"""tinker-cookbook recipes, unchanged but for base URL, model name and sizes, run end to
 end on rljax's Tinker server (rljax.tinker), and the server's stop strings.
 
-The recipe is `tinker_cookbook.recipes.rl_basic` (GSM8K, the `role_colon` renderer, whose
-stop sequence is the string "\\n\\nUser:", importance-sampling updates), run in its own
-process the way its `__main__` runs it. What a machine without the Hub lacks is laid where
-the cookbook looks: the tokenizer of its model name as a local directory of that name (a
-byte-level BPE, the served model's vocabulary) and `openai/gsm8k` as a `datasets` cache
-(examples/gsm_tiny's problems, GSM8K's format).
+The recipes are `tinker_cookbook.recipes.rl_basic` (GSM8K, the `role_colon` renderer, whose
+stop sequence is the string "\\n\\nUser:", importance-sampling updates) and
+`tinker_cookbook.recipes.sl_basic` (supervised chat fine-tuning on no_robots, its held-out
+NLL evaluated by a sampling client), each run in its own process the way its `__main__`
+runs it, on one server. What a machine without the Hub lacks is laid where the cookbook
+looks: the tokenizer of its model name as a local directory of that name (a byte-level
+BPE, the served model's vocabulary), `openai/gsm8k` as a `datasets` cache
+(examples/gsm_tiny's problems, GSM8K's format) and `HuggingFaceH4/no_robots` as one (short
+arithmetic chats in its format).
 """
 
 import json
@@ -32,7 +35,7 @@ from rljax.tinker.service import Service
 from rljax.tinker.server import make_server
 from rljax.tinker.stops import TextOf, stop_cut
 from rljax.tinker.training import UserError
-from tests.shapes import TINY
+from tests.shapes import TINY, sharp_params
 
 tinker = pytest.importorskip("tinker")  # pinned in the test extras: a missing one fails below
 from tinker import types  # noqa: E402
@@ -53,6 +56,22 @@ config = chz.replace(config, dataset_builder=chz.replace(
     config.dataset_builder, batch_size=int(batch), group_size=int(group)))
 rl_basic.main(config)
 """
+# sl_basic: SL_ROWS chats in batches of SL_BATCH, one epoch (the recipe's), its evaluation
+# every 8 steps (the recipe's) at steps 0 and 8; lr 3e-2, linear decay (the recipe's
+# schedule; its 2e-4 is sized for 8B models, this LoRA on a random tiny model needs more:
+# 1e-2 took the NLL 7.92 -> 4.84 in the 9 steps, 3e-2 to 2.66)
+SL_ROWS, SL_BATCH, SL_LR = 36, 4, 3e-2
+SL_STEPS = SL_ROWS // SL_BATCH
+SL_RECIPE = """
+import sys, chz
+from tinker_cookbook.recipes import sl_basic
+model_name, batch, *argv = sys.argv[1:]
+config = sl_basic.build_config_blueprint(model_name).make_from_argv(argv)
+builder = config.dataset_builder
+config = chz.replace(config, dataset_builder=chz.replace(builder, common_config=chz.replace(
+    builder.common_config, batch_size=int(batch))))
+sl_basic.main(config)
+"""
 
 
 def test_the_cookbook_is_installed():
@@ -64,25 +83,59 @@ def _rows():
   return [json.loads(line) for line in GSM_TINY.read_text().splitlines() if line.strip()]
 
 
-def _gsm8k_cache(directory: pathlib.Path) -> None:
-  """`load_dataset("openai/gsm8k", "main")`'s offline cache: train and test splits."""
+def _datasets_cache(directory: pathlib.Path, repo: str, config: str, features: dict,
+                    splits: dict[str, list[dict]]) -> None:
+  """`load_dataset(repo, config)`'s offline cache under `directory`: one arrow file a split."""
   import datasets  # pylint: disable=g-import-not-at-top
   from datasets.arrow_writer import ArrowWriter  # pylint: disable=g-import-not-at-top
-  rows = _rows()
-  out = directory / "openai___gsm8k" / "main" / "0.0.0" / "gsm_tiny"
+  owner, name = repo.split("/")
+  out = directory / f"{owner}___{name}" / config / "0.0.0" / "rljax_tests"
   out.mkdir(parents=True)
-  features = datasets.Features({"question": datasets.Value("string"),
-                                "answer": datasets.Value("string")})
-  info = datasets.DatasetInfo(features=features, config_name="main", dataset_name="gsm8k")
-  info.splits = datasets.SplitDict(dataset_name="gsm8k")
-  for split, part in (("train", rows[:60]), ("test", rows[60:])):
-    with ArrowWriter(features=features, path=str(out / f"gsm8k-{split}.arrow")) as writer:
-      for r in part:
-        writer.write({"question": r["question"], "answer": r["answer"]})
+  features = datasets.Features(features)
+  info = datasets.DatasetInfo(features=features, config_name=config, dataset_name=name)
+  info.splits = datasets.SplitDict(dataset_name=name)
+  for split, rows in splits.items():
+    with ArrowWriter(features=features, path=str(out / f"{name}-{split}.arrow")) as writer:
+      for r in rows:
+        writer.write(r)
       n, size = writer.finalize()
     info.splits.add(datasets.SplitInfo(name=split, num_examples=n, num_bytes=size,
-                                       dataset_name="gsm8k"))
+                                       dataset_name=name))
   info.write_to_directory(str(out))
+
+
+def _gsm8k_cache(directory: pathlib.Path) -> None:
+  """`load_dataset("openai/gsm8k", "main")`: examples/gsm_tiny's train and test splits."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  rows = [{"question": r["question"], "answer": r["answer"]} for r in _rows()]
+  _datasets_cache(directory, "openai/gsm8k", "main",
+                  {"question": datasets.Value("string"), "answer": datasets.Value("string")},
+                  {"train": rows[:60], "test": rows[60:]})
+
+
+def _chats(n: int, seed: int) -> list[dict]:
+  """no_robots rows of one short pattern ("What is 3 plus 4?" / "3 plus 4 is 7."): text a
+  tiny model learns in a few steps."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(n):
+    a, b = (int(x) for x in rng.integers(0, 10, size=2))
+    q, ans = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    rows.append({"prompt": q, "prompt_id": f"{seed}-{i}", "category": "Math",
+                 "messages": [{"content": q, "role": "user"},
+                              {"content": ans, "role": "assistant"}]})
+  return rows
+
+
+def _no_robots_cache(directory: pathlib.Path) -> None:
+  """`load_dataset("HuggingFaceH4/no_robots")`: its features, SL_ROWS train rows and a
+  batch (SL_BATCH: the evaluator scores whole batches) of test rows of `_chats`."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  text = datasets.Value("string")
+  _datasets_cache(directory, "HuggingFaceH4/no_robots", "default",
+                  {"prompt": text, "prompt_id": text, "category": text,
+                   "messages": [{"content": text, "role": text}]},
+                  {"train": _chats(SL_ROWS, seed=0), "test": _chats(SL_BATCH, seed=1)})
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +145,7 @@ def workdir(tmp_path_factory):
   texts = [f"User: {r['question']}\n\nAssistant: {r['answer']}" for r in _rows()]
   train_byte_level_bpe(texts, str(work / MODEL), vocab_size=512)
   _gsm8k_cache(work / "hf_datasets")
+  _no_robots_cache(work / "hf_datasets")
   return work
 
 
@@ -100,7 +154,9 @@ def server(workdir, tmp_path_factory):
   tokenizer = TransformersTokenizer.from_dir(str(workdir / MODEL))
   cfg = ModelConfig(**{**TINY, "vocab_size": tokenizer.vocab_size,
                        "max_position_embeddings": 512}).resolved("cpu", DET)
-  base = cast(init_params(cfg, jax.random.key(0), "float32"), "bfloat16")
+  # sharp weights (x10): at the init's std 0.02 the frozen head bounds every logit to about
+  # +-1.3 (|row| 0.16 x |normed h| 8), so no adapter could take the NLL much below 5 nats
+  base = sharp_params(cfg)
   service = Service(cfg, base, numerics=DET, model_name=MODEL, max_tokens=512,
                     state_root=str(tmp_path_factory.mktemp("tinker_states")),
                     tokenizer=tokenizer)
@@ -110,18 +166,26 @@ def server(workdir, tmp_path_factory):
   srv.shutdown()
 
 
-def test_rl_basic_runs_end_to_end(server, workdir):
-  log_path = workdir / "rl_basic"
+def _run_recipe(workdir, script: str, *argv: str) -> None:
+  """`script` in its own process in `workdir`, offline (the Hub and datasets from disk)."""
   env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0",
          "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
          "HF_DATASETS_CACHE": str(workdir / "hf_datasets")}
-  argv = [f"base_url={server[1]}", f"log_path={log_path}", f"max_tokens={MAX_TOKENS}",
-          f"max_steps={STEPS}", "lora_rank=8"]
-  run = subprocess.run([sys.executable, "-c", RECIPE, MODEL, str(BATCH), str(GROUP), *argv],
-                       cwd=workdir, env=env, capture_output=True, text=True, timeout=240,
-                       check=False)
+  run = subprocess.run([sys.executable, "-c", script, *argv], cwd=workdir, env=env,
+                       capture_output=True, text=True, timeout=240, check=False)
   assert run.returncode == 0, run.stderr[-6000:]
-  records = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _jsonl(path: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rl_basic_runs_end_to_end(server, workdir):
+  log_path = workdir / "rl_basic"
+  _run_recipe(workdir, RECIPE, MODEL, str(BATCH), str(GROUP), f"base_url={server[1]}",
+              f"log_path={log_path}", f"max_tokens={MAX_TOKENS}", f"max_steps={STEPS}",
+              "lora_rank=8")
+  records = _jsonl(log_path / "metrics.jsonl")
   steps = [r for r in records if "optim/entropy" in r]
   assert [r["step"] for r in steps] == list(range(STEPS)), records
   for r in steps:
@@ -133,8 +197,34 @@ def test_rl_basic_runs_end_to_end(server, workdir):
       assert math.isfinite(r[key]), (key, r)
     # the sampler's log-probs are the trainer's bits (deterministic numerics): no KL
     assert r["optim/kl_sample_train_v1"] == r["optim/kl_sample_train_v2"] == 0.0, r
-  final = [json.loads(line) for line in
-           (log_path / "checkpoints.jsonl").read_text().splitlines()][-1]
+  final = _jsonl(log_path / "checkpoints.jsonl")[-1]
+  assert final["name"] == "final" and final["state_path"].startswith("tinker://")
+  assert final["sampler_path"] in server[0].saved
+
+
+def test_sl_basic_lowers_the_nll(server, workdir):
+  log_path = workdir / "sl_basic"
+  _run_recipe(workdir, SL_RECIPE, MODEL, str(SL_BATCH), f"base_url={server[1]}",
+              f"log_path={log_path}", f"learning_rate={SL_LR}", "lora_rank=8")
+  records = _jsonl(log_path / "metrics.jsonl")
+  steps = [r for r in records if "train_mean_nll" in r]
+  assert [r["step"] for r in steps] == list(range(SL_STEPS)), records
+  for r in steps:
+    assert r["num_sequences"] == SL_BATCH and r["optim/datums:sum"] == SL_BATCH, r
+    for key in ("train_mean_nll", "train_mean_bpb", "learning_rate", "optim/grad_norm:mean"):
+      assert math.isfinite(r[key]), (key, r)
+  nll = [r["train_mean_nll"] for r in steps]
+  print("sl_basic train_mean_nll per step:", [round(x, 3) for x in nll])
+  # each step's NLL is of its batch before that step's update; measured 7.92 7.02 5.56 4.72
+  # 4.02 3.40 2.95 2.78 2.66 (a third of the start; the base's uniform guess is ln 512 = 6.2)
+  assert nll[-1] < 0.5 * nll[0], nll
+  # the recipe's held-out evaluation (a sampling client's compute_logprobs of the test
+  # split) before steps 0 and 8: measured 7.86 -> 2.45
+  test_nll = [r["test/nll"] for r in records if "test/nll" in r]
+  print("sl_basic test/nll:", test_nll)
+  assert len(test_nll) == 2 and all(map(math.isfinite, test_nll))
+  assert test_nll[1] < 0.5 * test_nll[0], test_nll
+  final = _jsonl(log_path / "checkpoints.jsonl")[-1]
   assert final["name"] == "final" and final["state_path"].startswith("tinker://")
   assert final["sampler_path"] in server[0].saved
 
