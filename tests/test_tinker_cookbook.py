@@ -22,13 +22,11 @@ import threading
 import urllib.error
 import urllib.request
 
-import jax
 import numpy as np
 import pytest
 
 from rljax.envs.tokenizer import TransformersTokenizer, train_byte_level_bpe
-from rljax.model import ModelConfig, init_params
-from rljax.model.params import cast
+from rljax.model import ModelConfig
 from rljax.numerics import Numerics
 from rljax.tinker.sampling import sample_args
 from rljax.tinker.service import Service

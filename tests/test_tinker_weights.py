@@ -119,7 +119,8 @@ def test_trained_adapters_download_as_a_peft_adapter_with_rljaxs_logits(server, 
   for k, v in load_file(f"{via_state}/{ADAPTER_WEIGHTS}").items():
     np.testing.assert_array_equal(v, tensors[k])
   # the temporary export is gone (deleted by the cookbook), the user's stays
-  assert [p for p in service.external._exports if "/download" in p] == []  # pylint: disable=protected-access
+  exports = list(service.external._exports)  # pylint: disable=protected-access
+  assert exports == [path], exports
 
   # the update moved the adapter: every B starts at zero (lora.init_adapters; A is random
   # at std 0.02), measured A 2.10, B 1.58 after the two steps
