@@ -351,17 +351,25 @@ def _check_common(q, k, v, backend, page_size, what):
   if not _is_pow2(page_size):
     raise ValueError(f"page_size={page_size} must be a power of two (the lane tree sum)")
   if backend == "tpu":
-    if page_size % 8:
-      raise ValueError(f"tpu: page_size={page_size} must be a multiple of 8 (Mosaic block rule)")
-    if d % 128 and hkv != 1:
-      raise ValueError(f"tpu: head_dim D={d} must be a multiple of 128 (Mosaic block rule: "
-                       "a head's [P, D] lane block of the [P, Hkv * D] page)")
+    error = tpu_block_error(page_size, d, hkv)
+    if error:
+      raise ValueError(error)
   else:
     for name, x in (("page_size", page_size), ("head_dim D", d)):
       if x < GPU_MIN_TILE or not _is_pow2(x):
         raise ValueError(f"gpu: {name}={x} must be a power of two >= {GPU_MIN_TILE} "
                          "(Triton tl.dot tiles)")
   return b, t, h, d, hkv
+
+
+def tpu_block_error(page_size: int, head_dim: int, kv_heads: int) -> str | None:
+  """Why Mosaic refuses the TPU kernel's blocks at these shapes, or None."""
+  if page_size % 8:
+    return f"tpu: page_size={page_size} must be a multiple of 8 (Mosaic block rule)"
+  if head_dim % 128 and kv_heads != 1:
+    return (f"tpu: head_dim D={head_dim} must be a multiple of 128 (Mosaic block rule: "
+            "a head's [P, D] lane block of the [P, Hkv * D] page)")
+  return None
 
 
 def _check_index(name, x, shape):
@@ -397,9 +405,12 @@ def _run(q, k_pool, v_pool, page_table, q_index, q_segments, kv_segments, *, sca
     row_index = jnp.pad(row_index, ((0, 0), (0, mp - m)), constant_values=-1)
     if row_seg is not None:
       row_seg = jnp.pad(row_seg, ((0, 0), (0, mp - m)))
-  # the last block any row of a tile sees (-1: none); blocks past it are skipped
-  tile_last = jnp.minimum(jnp.max(row_index.reshape(b, mp // r, r), axis=-1) // page_size,
-                          nb - 1)
+  # the last block any row of a tile sees (-1: none); blocks past it are skipped. The max
+  # over a tile's rows is taken elementwise over its r strided slices, not as a reduce:
+  # libtpu 0.0.42 aborts splitting that reduce (a constant iota in training) across a v5p's
+  # two cores ("Check failed: new_window.base_bounds[...] (2 vs. 16)", fixed in 0.0.51).
+  tile_max = functools.reduce(jnp.maximum, [row_index[:, k::r] for k in range(r)])
+  tile_last = jnp.minimum(tile_max // page_size, nb - 1)
   page_table = jnp.clip(page_table.astype(jnp.int32), 0, k_pool.shape[0] - 1)
   kv_seg = None if kv_segments is None else kv_segments.astype(jnp.int32)
   dot_dtype = _resolve_dot_dtype(dot_dtype, q.dtype, interpret)

@@ -159,7 +159,7 @@ def test_the_model_runs_deterministic_attention_on_the_configured_kernel():
 
 
 # TINY at a head_dim the TPU attention kernel takes (a multiple of 128), resolved for a TPU
-# in deterministic mode: "auto" picks the Pallas TPU kernels
+# in deterministic mode: "auto" picks both Pallas TPU kernels
 TPU_TINY = ModelConfig(**{**TINY, "head_dim": 128})
 
 
@@ -170,9 +170,8 @@ def _int32(*shape):
 def test_deterministic_mode_on_tpu_trains_on_the_kernels():
   # the GRPO learner's step on the tiny policy: packed rows' log-probs and their gradients,
   # compiled for one TPU chip; the program holds both kernels
-  assert (TPU_TINY.resolved("tpu", DET).det_attention,
-          TPU_TINY.resolved("tpu", DET).expert_kernel) == ("jnp", "pallas_tpu")
-  cfg = dataclasses.replace(TPU_TINY, det_attention="pallas_tpu").resolved("tpu", DET)
+  cfg = TPU_TINY.resolved("tpu", DET)
+  assert (cfg.det_attention, cfg.expert_kernel) == ("pallas_tpu", "pallas_tpu")
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
   def loss(p, tokens, positions, segments):
@@ -187,7 +186,7 @@ def test_deterministic_mode_on_tpu_trains_on_the_kernels():
 def test_deterministic_mode_on_tpu_decodes_on_the_kernels(new_tokens):
   # the engine's forward over raw-bit page pools (paged attention kernel, routed tiles on
   # the grouped matmul kernel), compiled for one TPU chip
-  cfg = dataclasses.replace(TPU_TINY, det_attention="pallas_tpu").resolved("tpu", DET)
+  cfg = TPU_TINY.resolved("tpu", DET)
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
   pool = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 9, cfg.page_size,
                                cfg.num_key_value_heads, cfg.head_dim), raw_dtype(jnp.bfloat16))

@@ -86,9 +86,10 @@ def test_unknown_model_key_is_rejected():
     ModelConfig.from_dict({**_load("tiny_moe").model.to_dict(), "num_expert": 4})
 
 
-def test_deterministic_tpu_runs_take_the_expert_kernel():
+def test_deterministic_tpu_runs_take_the_kernels():
   # "auto" for a TPU in deterministic mode: the grouped matmul kernel, on one device or per
-  # device on a mesh; the attention kernel is the user's to choose
+  # device on a mesh; the attention kernel where Mosaic takes its blocks (arith_tiny's
+  # head_dim of 16 it does not, 128 it does)
   config = arith_tiny.get_config()
   config.numerics = "deterministic"
 
@@ -102,6 +103,8 @@ def test_deterministic_tpu_runs_take_the_expert_kernel():
   sharded.mesh.fsdp = 2
   sharded.engine.mesh = ml_collections.ConfigDict({"expert": 2})
   assert kernels(sharded) == ("jnp", "pallas_tpu")  # per device on a mesh
+  sharded.model.head_dim = 128
+  assert kernels(sharded) == ("pallas_tpu", "pallas_tpu")
   config.model.det_attention = "pallas_tpu"
   config.model.expert_kernel = "jnp"
   assert kernels(config) == ("pallas_tpu", "jnp")

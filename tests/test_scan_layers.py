@@ -146,8 +146,11 @@ def test_resolved_makes_todays_choices(backend, numerics, attention, train_exper
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
   assert (cfg.decode_attention, cfg.train_experts, cfg.engine_experts) == (
       attention, train_experts, engine_experts)
-  # the expert kernel: det mode on TPU; the attention kernel is opt-in
+  # the kernels: det mode on TPU; the attention kernel where Mosaic takes the blocks (TINY's
+  # head_dim of 16 it does not; a head_dim of 128 it does)
   assert (cfg.det_attention, cfg.expert_kernel) == ("jnp", kernels)
+  wide = ModelConfig(**{**TINY, "head_dim": 128}).resolved(backend, Numerics(numerics))
+  assert wide.det_attention == kernels
   kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="tiled",
                      engine_experts="ragged", dtype="float32", det_attention="jnp",
                      expert_kernel="pallas_interpret")

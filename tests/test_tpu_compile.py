@@ -81,13 +81,12 @@ def test_the_roofline_predicts_from_the_compilers_counts(sharded):
 
 @pytest.fixture(scope="module")
 def deterministic_sharded():
-  """Deterministic numerics, so "auto" picks the grouped matmul kernel on TPU, and det
-  attention's kernel asked for (head_dim 128: Mosaic's lane width); 8 slots per chip, as
-  the deterministic engine asks."""
+  """Deterministic numerics, so "auto" picks both kernels on TPU (head_dim 128: Mosaic's
+  lane width, what the attention kernel needs); 8 slots per chip, as the deterministic
+  engine asks."""
   config = tiny({"fsdp": 2, "expert": 2})
   config.numerics = "deterministic"
   config.model.head_dim = 128
-  config.model.det_attention = "pallas_tpu"
   return aot.check(config, topology="v5p:2x2x1", num_slots=32, max_seq_len=64)
 
 

@@ -8,6 +8,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from pallas_kernels.det_attention import tpu_block_error
+
 _AUTO_FIELDS = ("decode_attention", "det_attention", "train_experts", "engine_experts",
                 "expert_kernel", "dtype")
 _EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
@@ -61,11 +63,10 @@ class ModelConfig:
   # "jnp" (rljax.block_attention: what CPUs run), "pallas_tpu" / "pallas_gpu"
   # (pallas_kernels.det_attention, the same tiling; on a mesh each device's rows and
   # heads), "pallas_interpret" (the GPU kernel interpreted on CPU: the jnp bits, tests).
-  # "auto" = "jnp". "pallas_tpu" is opt-in: Mosaic compiles it, packed row and paged
-  # decode, at Qwen3-30B-A3B's shapes and in sharded programs, and interpreted it gives
-  # the jnp path's bits (tested), but libtpu 0.0.42.1 aborts compiling Qwen3-30B-A3B's
-  # deterministic GRPO step on v5p:4x4x4 with it beside the grouped matmul (a CHECK
-  # failure in its megacore fusion emitter; the decode loop and prefill compile).
+  # "auto" = "pallas_tpu" on TPU in deterministic numerics where Mosaic takes the blocks
+  # (head_dim a multiple of 128, page_size of 8; Qwen3's shapes), else "jnp". Mosaic
+  # compiles it, packed row and paged decode, in Qwen3-30B-A3B's GRPO step, decode loop
+  # and prefill and in sharded programs; interpreted it gives the jnp path's bits (tested).
   det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
@@ -154,7 +155,10 @@ class ModelConfig:
       choices["decode_attention"] = "pallas" if fast_gpu else "reference"
     deterministic = mode == "deterministic"
     if self.det_attention == "auto":
-      choices["det_attention"] = "jnp"
+      kernel_fits = tpu_block_error(self.page_size, self.head_dim,
+                                    self.num_key_value_heads) is None
+      tpu_kernel = platform == "tpu" and deterministic and kernel_fits
+      choices["det_attention"] = "pallas_tpu" if tpu_kernel else "jnp"
     if self.expert_kernel == "auto":
       choices["expert_kernel"] = "pallas_tpu" if platform == "tpu" and deterministic else "jnp"
     if self.train_experts == "auto":
