@@ -61,6 +61,7 @@ import jax
 from jax import lax
 import jax.experimental.pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
@@ -238,3 +239,34 @@ def grouped_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, *, backe
   if backend == "tpu":
     return _tpu_call(xs, w, tile_expert, block_f, interpret)
   return _gpu_call(xs, w, tile_expert, block_f, block_k, interpret, num_warps, num_stages)
+
+
+def _megablox_tile(size: int, preferred: int = 128) -> int:
+  """A megablox block edge for a dimension: `preferred` where it divides, else the whole."""
+  return preferred if size % preferred == 0 else size
+
+
+def expert_weight_grads(xs: jax.Array, dy: jax.Array, tile_expert: jax.Array,
+                        num_experts: int, *, interpret: bool = False) -> jax.Array:
+  """xs [N, r, D], dy [N, r, F] -> f32 [E, D, F]: per expert, the sum over its tiles' rows of
+  xs_row^T dy_row, the weight gradient of `grouped_matmul` (TPU: Mosaic).
+
+  Tiles in expert order (`tile_plan` without `first_tiles_in_place`: an expert's tiles
+  together, the unused last ones its last expert's, their rows zero). The tiles' rows are
+  the groups of megablox's `tgmm` (the grouped transposed matmul shipped with JAX): an
+  expert's gradient accumulates in VMEM over its rows, blocks of 128 rows in a fixed order,
+  so the program is deterministic and holds no per-tile [N, D, F] product (the batched jnp
+  form's f32 [N, D, F] was 48 GiB a v5p chip in Qwen3-30B-A3B's step). The sum order is not
+  the jnp form's (tile by tile), so the bits differ from it by f32 rounding.
+  """
+  n, r, d = xs.shape
+  f = dy.shape[-1]
+  if dy.shape[:2] != (n, r) or tile_expert.shape != (n,):
+    raise ValueError(f"xs {xs.shape}, dy {dy.shape}, tile_expert {tile_expert.shape}: "
+                     "want [N, r, D], [N, r, F], [N]")
+  m = n * r
+  group_sizes = (jnp.bincount(tile_expert, length=num_experts) * r).astype(jnp.int32)
+  tiling = (_megablox_tile(m), _megablox_tile(d), _megablox_tile(f))
+  return tgmm(xs.reshape(m, d).T, dy.reshape(m, f), group_sizes,
+                       preferred_element_type=jnp.float32, tiling=tiling,
+                       interpret=interpret)

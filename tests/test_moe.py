@@ -5,6 +5,7 @@ also at Qwen3-30B-A3B's shape); the tile plan covers every routed slot with one 
 per tile."""
 
 import dataclasses
+import re
 import functools
 
 import chex
@@ -15,6 +16,7 @@ import pytest
 
 from configs import qwen3_30b_a3b, tiny_moe
 from rljax import aot
+from rljax.aot_compile import mosaic_kernels
 from rljax.model import ModelConfig, forward, init_params, moe
 from rljax.numerics import Numerics
 from tests.mosaic import compile_for_tpu
@@ -225,10 +227,12 @@ def test_a_qwen3_30b_a3b_moe_layer_lowers_with_the_pallas_kernel(platform, kerne
 
 
 def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_widths():
-  # the training path's routed tiles on the TPU kernel, forward and written-out backward
-  # (jnp dots), compiled for one TPU chip by libtpu's compiler: Qwen3-30B-A3B's experts
-  # (D 2048, 128 x F 768, top-8, row tile 32) on 512 tokens, the kernel's blocks those of
-  # 4,096 (the backward's compile grows with the tokens: 1,024 took 20-30 s)
+  # the training path's routed tiles on the TPU kernels, forward and written-out backward
+  # (the tiles' input gradients on grouped_matmul, the weight gradients on megablox's
+  # tgmm), compiled for one TPU chip by libtpu's compiler: Qwen3-30B-A3B's experts (D 2048,
+  # 128 x F 768, top-8, row tile 32) on 512 tokens (256 tiles). No per-tile [N, D, F]
+  # weight copy or weight-gradient product is left in the program (the jnp backward's were
+  # 48 GiB a v5p chip in the 30B GRPO step).
   cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
   d, e, f, k = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                 cfg.num_experts_per_tok)
@@ -242,7 +246,12 @@ def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_wi
   compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), sds(512, d),
                              sds(d, e, f), sds(d, e, f), sds(e, f, d),
                              jax.ShapeDtypeStruct((512, k), jnp.int32))
-  assert "grouped_matmul_tpu" in compiled.as_text()
+  text = compiled.as_text()
+  kernels = mosaic_kernels(text)
+  assert kernels["grouped_matmul_tpu"] == 6, kernels  # gate, up, down: forward and backward
+  assert sum(n for name, n in kernels.items() if "tgmm" in name) == 3, kernels
+  n_tiles = 512 * k // cfg.expert_row_tile + e
+  assert not re.search(rf"\[{n_tiles},({d},{f}|{f},{d})\]", text)
 
 
 def test_the_model_runs_its_tiles_on_the_configured_kernel():

@@ -39,7 +39,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.grouped_matmul import (expert_weight_grads, grouped_matmul,
+                                           grouped_matmul_reference)
 from rljax import sharding as sharding_lib
 from rljax.model.config import KERNELS
 from rljax.numerics import Numerics, det_exp
@@ -297,29 +298,43 @@ def _routed_tiles_bwd(numerics, row_tile, kernel, in_place, k, residuals, dy):
   """Autodiff's cotangents through the forward's casts (rounded to the compute dtype where
   the forward rounds), with f32 sums: each expert's weight gradient over its tiles in
   order, and each token's k slots in slot order (a scatter-add's order would follow the
-  tile layout, which differs between kernels)."""
-  del row_tile, kernel
+  tile layout, which differs between kernels). With the TPU kernel the tiles' input
+  gradients are `grouped_matmul`s by the transposed weights and the weight gradients
+  megablox's tgmm (`expert_weight_grads`: its own fixed order over an expert's rows)."""
+  del row_tile
   gate, up, down, src, tile_expert, (xs, g, u, act, hidden) = residuals
   t, _, d = dy.shape
   dtype, e_local = xs.dtype, gate.shape[1]
+  on_tpu_kernels = kernel == "pallas_tpu"  # Mosaic: no per-tile [N, D, F] weights/products
+
+  def weight_grads(x, dyt):
+    if on_tpu_kernels:
+      return expert_weight_grads(x, dyt, tile_expert, e_local)
+    return _tile_weight_grads(x, dyt, tile_expert, e_local, in_place)
+
+  def transposed(dyt, w):
+    if on_tpu_kernels:
+      return tile_matmul(dyt, w.transpose(0, 2, 1), tile_expert, kernel)
+    return _tiles_transposed(dyt, w, tile_expert, in_place)
+
   operand = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731  (as the kernel's)
   dys = dy.reshape(t * k, d).at[src].get(mode="fill", fill_value=0).reshape(xs.shape)
   dys = dys.astype(jnp.float32)
-  d_down = _tile_weight_grads(operand(hidden), dys, tile_expert, e_local, in_place)
-  d_hidden = _tiles_transposed(dys, operand(down), tile_expert, in_place).astype(dtype)
+  d_down = weight_grads(operand(hidden), dys)
+  d_hidden = transposed(dys, operand(down)).astype(dtype)
   _, silu_vjp = jax.vjp(lambda z: silu(z, numerics).astype(dtype), g)
   dg = silu_vjp(d_hidden * u)[0].astype(jnp.float32)
   du = (d_hidden * act).astype(jnp.float32)
-  dxs = (_tiles_transposed(dg, operand(gate.transpose(1, 0, 2)), tile_expert, in_place)
-         + _tiles_transposed(du, operand(up.transpose(1, 0, 2)), tile_expert, in_place))
+  dxs = (transposed(dg, operand(gate.transpose(1, 0, 2)))
+         + transposed(du, operand(up.transpose(1, 0, 2))))
   d_slots = jnp.zeros((t * k, d), jnp.float32).at[src].set(dxs.reshape(-1, d), mode="drop")
   d_slots = d_slots.reshape(t, k, d)
   dx = d_slots[:, 0]
   for j in range(1, k):
     dx = dx + d_slots[:, j]
   xs = operand(xs)
-  d_gate = _tile_weight_grads(xs, dg, tile_expert, e_local, in_place).transpose(1, 0, 2)
-  d_up = _tile_weight_grads(xs, du, tile_expert, e_local, in_place).transpose(1, 0, 2)
+  d_gate = weight_grads(xs, dg).transpose(1, 0, 2)
+  d_up = weight_grads(xs, du).transpose(1, 0, 2)
   return (dx.astype(dtype), d_gate.astype(gate.dtype), d_up.astype(up.dtype),
           d_down.astype(down.dtype), None, None)
 
