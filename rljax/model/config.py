@@ -88,9 +88,9 @@ class ModelConfig:
   # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
   # interpreted on CPU: the jnp kernel's bits, tests). "auto" = "pallas_tpu" on TPU in
   # deterministic mode (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh per device
-  # under shard_map; interpreted it gives the jnp kernel's bits: tested; the jnp kernel's
-  # backward needs 135 GB of temporaries a chip for the 30B step on v5p:4x4x4, the
-  # kernel's program 73 GiB), else "jnp" (fast mode's "tiled" keeps the jnp kernel; on
+  # under shard_map; interpreted it gives the jnp kernel's bits: tested; its backward on
+  # kernels too (moe._routed_tiles_bwd): the jnp backward needs 135 GB of temporaries a
+  # chip for the 30B step on v5p:4x4x4, the kernels' program 26 GiB), else "jnp" (fast mode's "tiled" keeps the jnp kernel; on
   # GPU "pallas_gpu" stays opt-in).
   expert_kernel: str = "auto"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
