@@ -279,3 +279,39 @@ def test_saved_states_load_back_bitwise(client):
   other = client.create_lora_training_client(base_model=MODEL, rank=8).result()
   with pytest.raises(tinker.RequestFailedError, match="LoRA rank 4, this client 8"):
     other.load_state(path).result()
+
+
+def _post(base_url, route, body):
+  request = urllib.request.Request(f"{base_url}/api/v1/{route}", method="POST",
+                                   data=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})
+  try:
+    with urllib.request.urlopen(request, timeout=30) as r:
+      return r.status, r.read()  # JSON or a protobuf
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_finished_results_are_dropped_after_their_ttl(server, client, monkeypatch):
+  """A long-lived server keeps a finished request's result `result_ttl_s` (an hour) for the
+  client to fetch, then drops it: fetching it is a 404 saying so, and its seq_id a 400
+  (already ran), never a rerun; results still within their ttl stay."""
+  service, url = server
+  now = [1e9]
+  monkeypatch.setattr(service, "clock", lambda: now[0])
+  tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+  data = _sft_data(_sequences(2, 8, seed=6))
+  tc.forward(data, "cross_entropy").result()
+  mine = [i for i, f in service.futures.items() if f.done and f.done_at == now[0]]
+  assert mine and all(_post(url, "retrieve_future", {"request_id": i})[0] == 200 for i in mine)
+  held = len(service.futures)
+  now[0] += service.result_ttl_s + 1
+  tc.forward(data, "cross_entropy").result()  # a new request: the old results go
+  assert len(service.futures) <= held - len(mine) + 1
+  for i in mine:
+    status, body = _post(url, "retrieve_future", {"request_id": i})
+    assert status == 404 and "finished more than 3600 s ago" in body["detail"], body
+  status, body = _post(url, "optim_step", {"model_id": tc.model_id, "seq_id": 1,
+                                           "type": "optim_step", "adam_params": {}})
+  assert status == 400 and "already ran" in body["detail"], body
+  assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0

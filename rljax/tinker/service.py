@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import traceback
 import uuid
 from typing import Any, Callable
@@ -27,6 +28,10 @@ from rljax.tinker.training import AdamParams, LoraTrainer, Snapshot, UserError
 from rljax.tinker.weights import ExternalWeights, WeightsNotFound
 
 LONG_POLL_S = 20.0  # a poll waits this long before answering 408 (the SDK re-polls at once)
+# a finished request's result is kept this long for the client to fetch (and re-fetch, as
+# the SDK does after a dropped connection), then dropped: a long-lived server's memory
+# does not grow with the requests it has answered
+RESULT_TTL_S = 3600.0
 
 
 class ApiError(Exception):
@@ -39,6 +44,7 @@ class ApiError(Exception):
 class Future:
   request_id: str
   done: bool = False
+  done_at: float | None = None  # the service's clock
   json: dict | None = None
   proto: bytes | None = None
   error: dict | None = None
@@ -61,8 +67,10 @@ class Service:
   `get_info` tells clients to load) defaults to its directory."""
 
   def __init__(self, cfg, base: Any, *, numerics, model_name: str, max_tokens: int,
-               state_root: str, tokenizer_id: str | None = None, tokenizer=None):
+               state_root: str, tokenizer_id: str | None = None, tokenizer=None,
+               result_ttl_s: float = RESULT_TTL_S, clock: Callable[[], float] = time.monotonic):
     self.cfg, self.base, self.numerics = cfg, base, numerics
+    self.result_ttl_s, self.clock = result_ttl_s, clock
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids, the model "
                        f"{cfg.vocab_size}")
@@ -130,6 +138,9 @@ class Service:
     model_id = f"{session_id}:train:{seq}"
     with self._cond:
       if model_id in self.models:  # a retried submission
+        if 0 not in self.models[model_id].seen:
+          raise ApiError(400, f"model {model_id!r} was created more than "
+                              f"{self.result_ttl_s:.0f} s ago")
         return self.models[model_id].seen[0]
       trainer = LoraTrainer(self.cfg, self.base, lora_lib.LoraConfig(rank=rank), seed=seed,
                             numerics=self.numerics, max_tokens=self.max_tokens)
@@ -139,7 +150,7 @@ class Service:
       future.json = first(model)
     except UserError as e:
       future.error = {"error": str(e), "category": "user"}
-    future.done = True
+    future.done, future.done_at = True, self.clock()
     return future
 
   def model(self, model_id: str) -> Model:
@@ -332,16 +343,30 @@ class Service:
 
   # ---- futures ---------------------------------------------------------------------------
   def _future(self) -> Future:
+    self._drop_old_results()
     future = Future(f"r{next(self._ids)}")
     self.futures[future.request_id] = future
     return future
+
+  def _drop_old_results(self) -> None:
+    """Forgets requests that finished more than `result_ttl_s` ago (their futures, and the
+    seq_ids that returned them: a repeat of one is then refused as already run)."""
+    cutoff = self.clock() - self.result_ttl_s
+    old = {i for i, f in self.futures.items() if f.done and f.done_at < cutoff}
+    if not old:
+      return
+    for i in old:
+      del self.futures[i]
+    for model in self.models.values():
+      model.seen = {seq: f for seq, f in model.seen.items() if f.request_id not in old}
 
   def result(self, request_id: str, timeout: float = LONG_POLL_S) -> Future:
     """The future, once done or after `timeout` seconds (then still pending)."""
     with self._cond:
       future = self.futures.get(request_id)
       if future is None:
-        raise ApiError(404, f"no request {request_id!r}")
+        raise ApiError(404, f"no request {request_id!r} (unknown, or finished more than "
+                            f"{self.result_ttl_s:.0f} s ago: results are kept that long)")
       self._cond.wait_for(lambda: future.done, timeout=timeout)
       return future
 
@@ -362,5 +387,5 @@ class Service:
       with self._cond:
         for k, v in result.items():
           setattr(future, k, v)
-        future.done = True
+        future.done, future.done_at = True, self.clock()
         self._cond.notify_all()
