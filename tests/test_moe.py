@@ -53,6 +53,22 @@ def test_every_fast_path_gives_the_ragged_outputs(row_tile, offset):
   assert non_local.any() and not np.asarray(out["tiled"])[np.asarray(non_local)].any()
 
 
+@pytest.mark.parametrize("tokens,path", [(8, "dense"), (40, "dense"), (512, "tiled")])
+def test_by_tokens_runs_dense_for_a_few_tokens_and_tiled_for_many(tokens, path):
+  # the engine's CPU path: 8 experts top-2, row tile 32: the dense path's rows over the
+  # tiled path's are 0.24 / 0.89 / 3.2 (threshold 2.0); it is that path, bit for bit
+  x, ids, gate, up, down = _problem(tokens, 64, 8, 32, 2, jnp.bfloat16, seed=4)
+  run = lambda p: jax.jit(lambda *a: moe.experts_local(*a, 0, FAST, p, 32))(  # noqa: E731
+      x, ids, gate, up, down)
+  assert (moe.dense_work_ratio(tokens, 8, 2, 32) > moe.TILED_BEATS_DENSE_AT) == (
+      path == "tiled")
+  chex.assert_trees_all_equal(run("by_tokens"), run(path))
+  with pytest.raises(ValueError, match="not in deterministic numerics"):
+    moe.experts_local(x, ids, gate, up, down, 0, DET, "by_tokens", 32)
+  with pytest.raises(ValueError, match="'by_tokens' expert path mixes"):
+    ModelConfig(**TINY, engine_experts="by_tokens").resolved("cpu", DET)
+
+
 def test_tiled_gradients_equal_the_dense_paths():
   # f32 end to end: both paths sum the same products (one expert's dot per slot), so the
   # gradients agree to f32 rounding of sums over <= 64 terms (rtol 1e-5)

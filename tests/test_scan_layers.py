@@ -135,7 +135,7 @@ def test_forward_refuses_an_unresolved_config(tiny_cfg):
 
 
 @pytest.mark.parametrize("backend,numerics,attention,train_experts,engine_experts,kernels", [
-    ("cpu", "fast", "reference", "tiled", "dense", "jnp"),
+    ("cpu", "fast", "reference", "tiled", "by_tokens", "jnp"),
     ("cpu", "deterministic", "reference", "tiled", "tiled", "jnp"),
     ("gpu", "fast", "pallas", "ragged", "ragged", "jnp"),
     ("cuda", "deterministic", "reference", "tiled", "tiled", "jnp"),

@@ -12,7 +12,7 @@ from pallas_kernels.det_attention import tpu_block_error
 
 _AUTO_FIELDS = ("decode_attention", "det_attention", "train_experts", "engine_experts",
                 "expert_kernel", "dtype")
-_EXPERT_PATHS = ("auto", "dense", "ragged", "tiled")
+_EXPERT_PATHS = ("auto", "dense", "ragged", "tiled", "by_tokens")
 # what runs the expert tiles (`expert_kernel`) and deterministic attention (`det_attention`)
 KERNELS = ("jnp", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 _KERNEL_CHOICES = ("auto",) + KERNELS
@@ -70,10 +70,12 @@ class ModelConfig:
   det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
-  # one batched dot) or "dense" (every expert for every token). XLA:CPU expands
-  # `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for the training
-  # forward (thousands of tokens) and "dense" for the engine's forward (a KV cache:
-  # prefill and decode steps of a few tokens per slot); "ragged" elsewhere. Deterministic
+  # one batched dot) or "dense" (every expert for every token), or (fast numerics)
+  # "by_tokens": per call, "tiled" when dense would compute over 2x its rows (prefills),
+  # else "dense" (moe.TILED_BEATS_DENSE_AT, measured). XLA:CPU expands `ragged_dot`
+  # densely over every expert, so "auto" = on CPU "tiled" for the training forward
+  # (thousands of tokens) and "by_tokens" for the engine's forward (decode steps of a few
+  # tokens per slot, prefills of many); "ragged" elsewhere. Deterministic
   # mode: "auto" = "tiled" for both (batch-invariant: every tile is one fixed-shape dot;
   # "ragged" there also runs "tiled"); "dense" is its own path with other bits, allowed
   # only for both forwards at once. The row tile bounds the padding (under one tile per
@@ -164,9 +166,12 @@ class ModelConfig:
     if self.train_experts == "auto":
       choices["train_experts"] = "tiled" if platform == "cpu" or deterministic else "ragged"
     if self.engine_experts == "auto":
-      fast_engine = "dense" if platform == "cpu" else "ragged"
+      fast_engine = "by_tokens" if platform == "cpu" else "ragged"
       choices["engine_experts"] = "tiled" if deterministic else fast_engine
     paths = {choices.get(f, getattr(self, f)) for f in ("train_experts", "engine_experts")}
+    if deterministic and "by_tokens" in paths:
+      raise ValueError("deterministic numerics: the 'by_tokens' expert path mixes the dense "
+                       "and tiled paths' bits (use 'tiled' or 'dense')")
     if deterministic and "dense" in paths and len(paths) > 1:
       raise ValueError(
           "deterministic numerics: train_experts and engine_experts must both be 'dense' "

@@ -18,6 +18,10 @@ No capacity, no drops: a token's output depends only on the token. Expert paths:
   projection) whose per-row numerics do not depend on the row count: num_experts / top_k
   times the expert FLOPs, and not the tiled path's bits (another dot kernel), so trainer
   and engine must both use it or neither (`ModelConfig.resolved` checks).
+* fast, "by_tokens" (the engine's CPU choice): "tiled" when the dense path would compute
+  more than `TILED_BEATS_DENSE_AT` times the tiled path's rows (`dense_work_ratio` of the
+  call's static shapes: prefills of many tokens), else "dense" (decode steps of few
+  slots); the threshold is where the two cross on CPU (experiments/bench_engine_experts).
 
 Expert parallelism (`expert` mesh axis > 1), and any sharded run whose tiles a Pallas kernel
 multiplies (XLA cannot partition a kernel call), runs under `jax.shard_map`: each device
@@ -72,7 +76,7 @@ def route(x: jax.Array, router: jax.Array, *, top_k: int, norm_topk_prob: bool,
   return ids, weights
 
 
-PATHS = ("dense", "ragged", "tiled")
+PATHS = ("dense", "ragged", "tiled", "by_tokens")
 
 
 def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
@@ -94,6 +98,12 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
+  if path == "by_tokens":
+    if numerics.deterministic:
+      raise ValueError("expert path 'by_tokens' mixes the dense and tiled paths' bits: "
+                       "not in deterministic numerics")
+    work = dense_work_ratio(t, e_local, ids.shape[1], row_tile)
+    path = "tiled" if work > TILED_BEATS_DENSE_AT else "dense"
   if path == "tiled" or (numerics.deterministic and path == "ragged"):
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
                        row_tile, kernel)
@@ -182,6 +192,19 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int, *,
   src = jnp.full((n_tiles * row_tile,), s, jnp.int32).at[row].set(order.astype(jnp.int32),
                                                                   mode="drop")
   return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
+
+
+# The engine's CPU choice between every expert for every token ("dense") and only the
+# routed ones in tiles ("tiled"): tiled when the dense path has more than this many times
+# its rows. experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): at 2.0 the two
+# tie (0.99), below 0.95 dense is 1.2-3.7x faster, from 2.67 up tiled 1.3-10x.
+TILED_BEATS_DENSE_AT = 2.0
+
+
+def dense_work_ratio(tokens: int, num_experts: int, top_k: int, row_tile: int) -> float:
+  """The dense path's rows (every expert for every token) over the tiled path's (each
+  token's k slots, and at most a row tile of padding per expert)."""
+  return tokens * num_experts / (tokens * top_k + num_experts * row_tile)
 
 
 GPU_BLOCK_K = 256
