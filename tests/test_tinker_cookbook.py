@@ -31,7 +31,7 @@ from rljax.numerics import Numerics
 from rljax.tinker.sampling import sample_args
 from rljax.tinker.service import Service
 from rljax.tinker.server import make_server
-from rljax.tinker.stops import TextOf, stop_cut
+from rljax.tinker.stops import stop_cut
 from rljax.tinker.training import UserError
 from tests.shapes import TINY, sharp_params
 
@@ -245,7 +245,7 @@ def _sample(sampler, stop, max_tokens=20):
 
 
 def _text(server, ids):
-  return TextOf(server[0].tokenizer)(ids)
+  return server[0].tokenizer.decode_sampled(ids)
 
 
 def test_a_stop_string_cuts_after_the_token_that_completes_it(server, sampler):
@@ -348,7 +348,7 @@ def test_bad_stops_are_the_sdks_errors_not_500(server, sampler):
 
 
 def test_stop_cut_on_text(server):
-  text_of = TextOf(server[0].tokenizer)
+  text_of = server[0].tokenizer.decode_sampled
   ids = server[0].tokenizer.encode("Mia has 12 stickers.\n\nUser: more").tolist()
   k = stop_cut(ids, ["\n\nUser:"], text_of)
   assert "\n\nUser:" in text_of(ids[:k]) and "\n\nUser:" not in text_of(ids[:k - 1])

@@ -190,6 +190,22 @@ class TransformersTokenizer:
                           skip_special_tokens=skip_special_tokens,
                           clean_up_tokenization_spaces=False)
 
+  def decode_sampled(self, ids: Iterable[int]) -> str:
+    """The text of sampled ids; an id of the model's vocabulary that is no token of this
+    tokenizer (the model's table may be larger) reads as U+FFFD. Never raises: the ids are
+    the truth, the text a reading of them."""
+    out, run = [], []
+    for t in list(ids) + [None]:
+      if t is not None and 0 <= t < self.vocab_size:
+        run.append(t)
+        continue
+      if run:
+        out.append(self.decode(run))
+        run = []
+      if t is not None:
+        out.append("\ufffd")
+    return "".join(out)
+
   def token_to_id(self, token: str) -> int | None:
     return self._vocab.get(token)
 

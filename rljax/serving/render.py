@@ -82,20 +82,9 @@ class Renderer:
     return [self._decode([t]) for t in ids]
 
   def _decode(self, ids: list[int]) -> str:
-    """Text of sampled ids; an id of the model's vocabulary that is no token of the
-    tokenizer's (the model's table may be larger) reads as U+FFFD. Never raises: the text
-    is the episode's record of what was said, the ids are the truth."""
-    out, run = [], []
-    for t in list(ids) + [None]:
-      if t is not None and 0 <= t < self.tokenizer.vocab_size:
-        run.append(t)
-        continue
-      if run:
-        out.append(self.tokenizer.decode(run))
-        run = []
-      if t is not None:
-        out.append("\ufffd")
-    return "".join(out)
+    """Text of sampled ids (`TransformersTokenizer.decode_sampled`: never raises; the text
+    is the episode's record of what was said, the ids are the truth)."""
+    return self.tokenizer.decode_sampled(ids)
 
   def _render_ids(self, history: list[dict], new: list[dict] | None, *,
                   stopped_on: int | None = None, tools: list[dict] | None = None) -> list[int]:

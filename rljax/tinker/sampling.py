@@ -25,7 +25,7 @@ from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import forward
 from rljax.rl.trajectory import FinishReason
 from rljax.rl import learner
-from rljax.tinker.stops import MAX_STOP_TOKENS, TextOf, parse_stops, stop_cut
+from rljax.tinker.stops import MAX_STOP_TOKENS, parse_stops, stop_cut
 from rljax.tinker.training import Snapshot, UserError
 
 DEFAULT_MAX_TOKENS = 64
@@ -90,7 +90,7 @@ class Sampler:
   def __init__(self, cfg, base: Any, numerics, max_tokens: int, num_slots: int = 16,
                tokenizer=None):
     self.cfg, self.base, self.numerics, self.max_tokens = cfg, base, numerics, max_tokens
-    self.text_of = TextOf(tokenizer) if tokenizer is not None else None
+    self.text_of = tokenizer.decode_sampled if tokenizer is not None else None
     self.num_slots = num_slots
     self.engine: DecodeEngine | None = None
     self._snapshot: Snapshot | None = None

@@ -64,30 +64,9 @@ def parse_stops(stop: Any, *, vocab_size: int, eos_id: int | None,
   return Stops(tuple(tokens), tuple(dict.fromkeys(strings)))
 
 
-class TextOf:
-  """The text of sampled ids by a tokenizer (`rljax.envs.tokenizer.TransformersTokenizer`);
-  an id of the model's vocabulary that the tokenizer lacks (the model's table may be
-  larger) reads as U+FFFD. Never raises."""
-
-  def __init__(self, tokenizer):
-    self.tokenizer = tokenizer
-
-  def __call__(self, ids: Sequence[int]) -> str:
-    out, run = [], []
-    for t in list(ids) + [None]:
-      if t is not None and 0 <= t < self.tokenizer.vocab_size:
-        run.append(t)
-        continue
-      if run:
-        out.append(self.tokenizer.decode(run))
-        run = []
-      if t is not None:
-        out.append("\ufffd")
-    return "".join(out)
-
-
 def stop_cut(ids: Sequence[int], strings: Sequence[str], text_of) -> int | None:
-  """The fewest leading ids whose text holds one of `strings`; None if no prefix does."""
+  """The fewest leading ids whose text (`text_of(ids)`: e.g. a `TransformersTokenizer`'s
+  `decode_sampled`) holds one of `strings`; None if no prefix does."""
   if not strings or not ids or not any(s in text_of(ids) for s in strings):
     return None
   # a match, once in the text, stays as k grows (more ids extend the text; only a trailing
