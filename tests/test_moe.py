@@ -270,6 +270,27 @@ def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_wi
   assert not re.search(rf"\[{n_tiles},({d},{f}|{f},{d})\]", text)
 
 
+def test_the_fast_ragged_path_takes_its_weight_gradients_from_tgmm_on_tpu():
+  # fast numerics' "ragged" path with the TPU kernel ("auto" on TPU), 30B widths, 512
+  # tokens, compiled for one chip: the three weight gradients are megablox tgmm kernels
+  # (XLA's own transpose of ragged_dot was a dense masked convolution over every expert:
+  # 81% of the 30B step's FLOPs), the forward and input gradients the TPU's ragged dots
+  cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
+  d, e, f, k = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                cfg.num_experts_per_tok)
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+
+  def loss(x, gate, up, down, ids):
+    y = moe.experts_local(x, ids, gate, up, down, 0, FAST, "ragged", 32, "pallas_tpu")
+    return jnp.sum(y.astype(jnp.float32))
+
+  compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), sds(512, d),
+                             sds(d, e, f), sds(d, e, f), sds(e, f, d),
+                             jax.ShapeDtypeStruct((512, k), jnp.int32))
+  kernels = mosaic_kernels(compiled.as_text())
+  assert sum(n for name, n in kernels.items() if "tgmm" in name) == 3, kernels
+
+
 def test_the_model_runs_its_tiles_on_the_configured_kernel():
   # the tiny policy's training forward with `expert_kernel="pallas_interpret"`: the same
   # log-prob bits as with the jnp tiles (deterministic numerics); lowered for a TPU with

@@ -139,18 +139,20 @@ def test_forward_refuses_an_unresolved_config(tiny_cfg):
     ("cpu", "deterministic", "reference", "tiled", "tiled", "jnp"),
     ("gpu", "fast", "pallas", "ragged", "ragged", "jnp"),
     ("cuda", "deterministic", "reference", "tiled", "tiled", "jnp"),
-    ("tpu", "fast", "reference", "ragged", "ragged", "jnp"),
+    ("tpu", "fast", "reference", "ragged", "ragged", "pallas_tpu"),
     ("tpu", "deterministic", "reference", "tiled", "tiled", "pallas_tpu")])
 def test_resolved_makes_todays_choices(backend, numerics, attention, train_experts,
                                        engine_experts, kernels):
   cfg = ModelConfig(**TINY).resolved(backend, Numerics(numerics))
   assert (cfg.decode_attention, cfg.train_experts, cfg.engine_experts) == (
       attention, train_experts, engine_experts)
-  # the kernels: det mode on TPU; the attention kernel where Mosaic takes the blocks (TINY's
+  # the kernels: the expert kernel on TPU (fast mode: the ragged path's weight gradients);
+  # deterministic attention's in det mode on TPU, where Mosaic takes the blocks (TINY's
   # head_dim of 16 it does not; a head_dim of 128 it does)
   assert (cfg.det_attention, cfg.expert_kernel) == ("jnp", kernels)
   wide = ModelConfig(**{**TINY, "head_dim": 128}).resolved(backend, Numerics(numerics))
-  assert wide.det_attention == kernels
+  det_tpu = backend == "tpu" and numerics == "deterministic"
+  assert wide.det_attention == ("pallas_tpu" if det_tpu else "jnp")
   kept = ModelConfig(**TINY, decode_attention="pallas_interpret", train_experts="tiled",
                      engine_experts="ragged", dtype="float32", det_attention="jnp",
                      expert_kernel="pallas_interpret")

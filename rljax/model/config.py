@@ -88,12 +88,15 @@ class ModelConfig:
   # What multiplies the routed tiles (rljax.model.moe.tile_matmul): "jnp" (one batched
   # dot; what CPUs run), "pallas_tpu" / "pallas_gpu" (pallas_kernels.grouped_matmul:
   # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
-  # interpreted on CPU: the jnp kernel's bits, tests). "auto" = "pallas_tpu" on TPU in
-  # deterministic mode (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh per device
-  # under shard_map; interpreted it gives the jnp kernel's bits: tested; its backward on
-  # kernels too (moe._routed_tiles_bwd): the jnp backward needs 135 GB of temporaries a
-  # chip for the 30B step on v5p:4x4x4, the kernels' program 26 GiB), else "jnp" (fast mode's "tiled" keeps the jnp kernel; on
-  # GPU "pallas_gpu" stays opt-in).
+  # interpreted on CPU: the jnp kernel's bits, tests). The TPU kernels also take the
+  # backward: the tiles' on grouped_matmul and megablox tgmm (moe._routed_tiles_bwd), the
+  # "ragged" path's weight gradients on tgmm (grouped_matmul.ragged_dot_tgmm; XLA's
+  # transpose of ragged_dot there is a dense masked convolution over every expert).
+  # "auto" = "pallas_tpu" on TPU (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh
+  # per device under shard_map; interpreted it gives the jnp kernel's bits: tested): the
+  # 30B GRPO step on v5p:4x4x4 in deterministic numerics takes 26 GiB a chip (the jnp
+  # backward 135 GB), in fast numerics 4.1x fewer FLOPs; else "jnp" (on GPU "pallas_gpu"
+  # stays opt-in).
   expert_kernel: str = "auto"
   # Activations and matmul operands. "auto" = "bfloat16", except fast mode on a CPU
   # without native bf16 dot instructions (AVX512_BF16/AMX): there "float32", which is
@@ -162,7 +165,7 @@ class ModelConfig:
       tpu_kernel = platform == "tpu" and deterministic and kernel_fits
       choices["det_attention"] = "pallas_tpu" if tpu_kernel else "jnp"
     if self.expert_kernel == "auto":
-      choices["expert_kernel"] = "pallas_tpu" if platform == "tpu" and deterministic else "jnp"
+      choices["expert_kernel"] = "pallas_tpu" if platform == "tpu" else "jnp"
     if self.train_experts == "auto":
       choices["train_experts"] = "tiled" if platform == "cpu" or deterministic else "ragged"
     if self.engine_experts == "auto":

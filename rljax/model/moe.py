@@ -44,7 +44,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import (expert_weight_grads, grouped_matmul,
-                                           grouped_matmul_reference)
+                                           grouped_matmul_reference, ragged_dot_tgmm)
 from rljax import sharding as sharding_lib
 from rljax.model.config import KERNELS
 from rljax.numerics import Numerics, det_exp
@@ -129,10 +129,14 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
     sizes = jnp.bincount(slot_expert, length=e_local + 1)[:e_local].astype(jnp.int32)
     gate_e = gate.transpose(1, 0, 2).astype(x.dtype)
     up_e = up.transpose(1, 0, 2).astype(x.dtype)
-    g = lax.ragged_dot(xs, gate_e, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    u = lax.ragged_dot(xs, up_e, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    if kernel in ("pallas_tpu", "pallas_interpret"):  # weight gradients by megablox tgmm
+      dot = functools.partial(ragged_dot_tgmm, interpret=kernel == "pallas_interpret")
+    else:
+      dot = functools.partial(lax.ragged_dot, preferred_element_type=jnp.float32)
+    g = dot(xs, gate_e, sizes).astype(x.dtype)
+    u = dot(xs, up_e, sizes).astype(x.dtype)
     hidden = silu(g, numerics).astype(x.dtype) * u
-    ys = lax.ragged_dot(hidden, down.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    ys = dot(hidden, down.astype(x.dtype), sizes)
     y = jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype).reshape(t, k, d)
   return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
 
