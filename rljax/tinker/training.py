@@ -26,13 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from rljax.model import ModelConfig, forward
 from rljax.model import lora as lora_lib
 from rljax.model.packing import pack, unpack
 from rljax.numerics import Numerics
 from rljax.rl import learner
+from rljax.rl.losses import global_norm
 
 LOSSES = {
     "cross_entropy": ("target_tokens", "weights"),
@@ -120,7 +120,7 @@ def _loss_and_grads(adapters, base, batch, clip, *, cfg, numerics, lora, kind, b
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _adamw(adapters, opt_state, grads, hyper):
   """One AdamW step on the summed gradients (clipped to hyper['clip'] global norm if > 0)."""
-  norm = optax.global_norm(grads)
+  norm = global_norm(grads)
   scale = jnp.where((hyper["clip"] > 0) & (norm > hyper["clip"]), hyper["clip"] / norm, 1.0)
   grads = jax.tree.map(lambda g: g * scale, grads)
   count = opt_state["count"] + 1
