@@ -242,53 +242,53 @@ def test_a_qwen3_30b_a3b_moe_layer_lowers_with_the_pallas_kernel(platform, kerne
   assert f"tensor<{n_tiles}x{d}x{f}x" not in text and f"tensor<{n_tiles}x{f}x{d}x" not in text
 
 
-def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_widths():
-  # the training path's routed tiles on the TPU kernels, forward and written-out backward
-  # (the tiles' input gradients on grouped_matmul, the weight gradients on megablox's
-  # tgmm), compiled for one TPU chip by libtpu's compiler: Qwen3-30B-A3B's experts (D 2048,
-  # 128 x F 768, top-8, row tile 32) on 512 tokens (256 tiles). No per-tile [N, D, F]
-  # weight copy or weight-gradient product is left in the program (the jnp backward's were
-  # 48 GiB a v5p chip in the 30B GRPO step).
+def _experts_value_and_grad_for_tpu(numerics, path):
+  """The MoE experts' forward and backward on the TPU kernels at Qwen3-30B-A3B's widths
+  (D 2048, 128 x F 768, top-8, row tile 32) on 512 tokens, compiled for one TPU chip by
+  libtpu's compiler: (its optimized HLO text, the 30B model config)."""
   cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
   d, e, f, k = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                 cfg.num_experts_per_tok)
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
 
   def loss(x, gate, up, down, ids):
-    y = moe.experts_local(x, ids, gate, up, down, 0, DET, "tiled", cfg.expert_row_tile,
+    y = moe.experts_local(x, ids, gate, up, down, 0, numerics, path, cfg.expert_row_tile,
                           "pallas_tpu")
     return jnp.sum(y.astype(jnp.float32))
 
   compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), sds(512, d),
                              sds(d, e, f), sds(d, e, f), sds(e, f, d),
                              jax.ShapeDtypeStruct((512, k), jnp.int32))
-  text = compiled.as_text()
+  return compiled.as_text(), cfg
+
+
+def _tgmm_calls(kernels: dict[str, int]) -> int:
+  return sum(n for name, n in kernels.items() if "tgmm" in name)
+
+
+def test_the_routed_tiles_and_their_backward_compile_for_tpu_at_qwen3_30b_a3b_widths():
+  # the training path's routed tiles on the TPU kernels, forward and written-out backward
+  # (the tiles' input gradients on grouped_matmul, the weight gradients on megablox's
+  # tgmm), 512 tokens (256 tiles). No per-tile [N, D, F] weight copy or weight-gradient
+  # product is left in the program (the jnp backward's were 48 GiB a v5p chip in the 30B
+  # GRPO step).
+  text, cfg = _experts_value_and_grad_for_tpu(DET, "tiled")
+  d, f = cfg.hidden_size, cfg.moe_intermediate_size
   kernels = mosaic_kernels(text)
   assert kernels["grouped_matmul_tpu"] == 6, kernels  # gate, up, down: forward and backward
-  assert sum(n for name, n in kernels.items() if "tgmm" in name) == 3, kernels
-  n_tiles = 512 * k // cfg.expert_row_tile + e
+  assert _tgmm_calls(kernels) == 3, kernels
+  n_tiles = 512 * cfg.num_experts_per_tok // cfg.expert_row_tile + cfg.num_experts
   assert not re.search(rf"\[{n_tiles},({d},{f}|{f},{d})\]", text)
 
 
 def test_the_fast_ragged_path_takes_its_weight_gradients_from_tgmm_on_tpu():
-  # fast numerics' "ragged" path with the TPU kernel ("auto" on TPU), 30B widths, 512
-  # tokens, compiled for one chip: the three weight gradients are megablox tgmm kernels
-  # (XLA's own transpose of ragged_dot was a dense masked convolution over every expert:
-  # 81% of the 30B step's FLOPs), the forward and input gradients the TPU's ragged dots
-  cfg = ModelConfig.from_dict(qwen3_30b_a3b.get_config().model.to_dict())
-  d, e, f, k = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
-                cfg.num_experts_per_tok)
-  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-
-  def loss(x, gate, up, down, ids):
-    y = moe.experts_local(x, ids, gate, up, down, 0, FAST, "ragged", 32, "pallas_tpu")
-    return jnp.sum(y.astype(jnp.float32))
-
-  compiled = compile_for_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), sds(512, d),
-                             sds(d, e, f), sds(d, e, f), sds(e, f, d),
-                             jax.ShapeDtypeStruct((512, k), jnp.int32))
-  kernels = mosaic_kernels(compiled.as_text())
-  assert sum(n for name, n in kernels.items() if "tgmm" in name) == 3, kernels
+  # fast numerics' "ragged" path with the TPU kernel ("auto" on TPU): the three weight
+  # gradients are megablox tgmm kernels (XLA's own transpose of ragged_dot was a dense
+  # masked convolution over every expert: 81% of the 30B step's FLOPs), the forward and
+  # input gradients the TPU's ragged dots
+  text, _ = _experts_value_and_grad_for_tpu(FAST, "ragged")
+  kernels = mosaic_kernels(text)
+  assert _tgmm_calls(kernels) == 3, kernels
 
 
 def test_the_model_runs_its_tiles_on_the_configured_kernel():
