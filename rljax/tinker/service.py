@@ -60,6 +60,13 @@ class Model:
   seen: dict[int, Future] = dataclasses.field(default_factory=dict)
 
 
+def _model_seq_id(body: dict) -> int:
+  seq = body.get("model_seq_id")
+  if not isinstance(seq, int) or seq < 0:
+    raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+  return seq
+
+
 class Service:
   """`base`: the model's params in its serving dtype; every training client is a LoRA on it.
   `tokenizer` (`rljax.envs.tokenizer.TransformersTokenizer`, optional): its EOS stops
@@ -125,9 +132,7 @@ class Service:
     rank = lora.get("rank")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 1024:
       raise ApiError(400, f"lora_config.rank must be an int in [1, 1024], got {rank!r}")
-    seq = body.get("model_seq_id")
-    if not isinstance(seq, int) or seq < 0:
-      raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+    seq = _model_seq_id(body)
     seed = lora.get("seed")
     return self._new_model(session_id, seq, rank, int(seed) if seed is not None else seq,
                            lambda model: {"model_id": model.model_id, "type": "create_model"})
@@ -283,10 +288,9 @@ class Service:
         self.states.load(trainer, path, optimizer=optimizer)
         return {"path": path, "type": "load_weights"}
       return self.submit(str(body.get("model_id")), body.get("seq_id"), work)
-    session_id, seq = str(body.get("session_id")), body.get("model_seq_id")
+    session_id = str(body.get("session_id"))
     self.open_session(session_id)
-    if not isinstance(seq, int) or seq < 0:
-      raise ApiError(400, f"model_seq_id must be an int >= 0, got {seq!r}")
+    seq = _model_seq_id(body)
     try:
       if not self.states.exists(path):
         raise ApiError(404, f"no training state at {path!r}")
@@ -317,24 +321,25 @@ class Service:
       self.samplers[sampler_id] = (weights, path)
     return sampler_id
 
-  def sampler_info(self, sampler_id: str) -> dict:
+  def _sampling_session(self, sampler_id: str) -> tuple[Snapshot, str | None]:
+    """(its weights, their tinker:// path or None)."""
     if sampler_id not in self.samplers:
       raise ApiError(404, f"sampling session {sampler_id!r} does not exist")
+    return self.samplers[sampler_id]
+
+  def sampler_info(self, sampler_id: str) -> dict:
     return {"sampler_id": sampler_id, "base_model": self.model_name,
-            "model_path": self.samplers[sampler_id][1]}
+            "model_path": self._sampling_session(sampler_id)[1]}
 
   def sample(self, body: dict) -> tuple[Future, int]:
     """(the future of a SampleResponse, its number of samples); checked at submission."""
-    sampler_id = str(body.get("sampling_session_id"))
-    if sampler_id not in self.samplers:
-      raise ApiError(404, f"sampling session {sampler_id!r} does not exist")
+    weights = self._sampling_session(str(body.get("sampling_session_id")))[0]
     try:
       args = sample_args(body, self.cfg.vocab_size, self.max_tokens,
                          eos_id=None if self.tokenizer is None else self.tokenizer.eos_id,
                          can_match_text=self.tokenizer is not None)
     except UserError as e:
       raise ApiError(400, str(e)) from None
-    weights = self.samplers[sampler_id][0]
     with self._cond:
       future = self._future()
       self._work.append((future, lambda: self.sampler.sample(weights, args)))
