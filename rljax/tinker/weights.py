@@ -61,6 +61,9 @@ class Export:
   files: tuple[str, ...]
   expires_at: float | None  # time.time() after which it is gone; None: never
 
+  def expired(self) -> bool:
+    return self.expires_at is not None and time.time() >= self.expires_at
+
 
 def _ttl(ttl_seconds: Any) -> float | None:
   if ttl_seconds is None:
@@ -149,8 +152,7 @@ class ExternalWeights:
     path = f"tinker://{model_id}/{checkpoint_id}"
     with self._lock:
       export = self._exports.get(path)
-      if export is not None and export.expires_at is not None and (
-          time.time() >= export.expires_at):
+      if export is not None and export.expired():
         self._drop(path)
         export = None
     if export is None:
@@ -191,7 +193,7 @@ class ExternalWeights:
       raise WeightsNotFound("no such download (the url is wrong, or its export was deleted "
                             "or expired)")
     path, export = live[0]
-    if export.expires_at is not None and time.time() >= export.expires_at:
+    if export.expired():
       with self._lock:
         self._drop(path)
       raise WeightsNotFound(f"the external weights at {path!r} expired")
