@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean tunix
 
 install: .venv/.installed
 
@@ -32,12 +32,21 @@ run: install
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "ERROR: pytest ran no tests (exit 5)"; fi; exit $$rc
 
-bench: install
+bench: install tunix
 	@set -e; for f in experiments/bench_*.py; do \
 		[ -e "$$f" ] || { echo "no experiments/bench_*.py found"; exit 1; }; \
 		echo "== $$f"; $(PY) "$$f"; \
 	done
 
+# Tunix 0.1.7 in a venv of its own (its pins never touch .venv's), for
+# experiments/bench_vs_tunix.py; experiments/tunix_requirements.txt pins every package.
+tunix: .venv-tunix/.installed
+
+.venv-tunix/.installed: experiments/tunix_requirements.txt
+	python3 -m venv .venv-tunix
+	.venv-tunix/bin/pip install -q -r experiments/tunix_requirements.txt
+	touch $@
+
 clean:
-	rm -rf .venv .pytest_cache .hypothesis build *.egg-info
+	rm -rf .venv .venv-tunix .pytest_cache .hypothesis build *.egg-info
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
