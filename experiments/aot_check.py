@@ -41,6 +41,9 @@ _PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 0, "prefill rows (0: the la
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", 0, "prefill width (0: max_seq_len)")
 _PROGRAMS = flags.DEFINE_list("programs", list(aot.DEFAULT_PROGRAMS),
                               f"which of {list(aot.PROGRAMS)} to lower and compile")
+_SERVING_LAYOUT = flags.DEFINE_enum("serving_layout", "auto", ["auto", "true", "false"],
+                                    "the engine's params in the decode loop's own layout "
+                                    "(auto: off CPU, as the engine)")
 _HOST_DEVICES = flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices "
                                      "(>= mesh size, for compiling; 0 = leave as is)")
 
@@ -64,7 +67,9 @@ def main(argv):
                      decode_rules=_DECODE_RULES.value, platform=_PLATFORM.value,
                      compile_=_COMPILE.value, topology=_TOPOLOGY.value,
                      prefill_rows=_PREFILL_ROWS.value, prefill_len=_PREFILL_LEN.value,
-                     programs=tuple(_PROGRAMS.value), decode_topology=_DECODE_TOPOLOGY.value)
+                     programs=tuple(_PROGRAMS.value), decode_topology=_DECODE_TOPOLOGY.value,
+                     serving_layout={"auto": None, "true": True,
+                                     "false": False}[_SERVING_LAYOUT.value])
   if report["topology"]:
     report["fit"], report["roofline"] = aot_report.fits(report), aot_report.roofline(report)
   print(aot_report.table(report), flush=True)

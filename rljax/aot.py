@@ -165,7 +165,7 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
           compile_: bool = True, lora_rank: int = 16, topology: str | None = None,
           prefill_rows: int = 0, prefill_len: int = 0,
           programs: tuple[str, ...] = DEFAULT_PROGRAMS,
-          decode_topology: str | None = None) -> dict:
+          decode_topology: str | None = None, serving_layout: bool | None = None) -> dict:
   """Lowers (and compiles) the train step, the decode loop and the engine's largest prefill
   (`prefill_rows` x `prefill_len` tokens; 0: num_slots x max_seq_len) of `config`; returns
   the report (with the train state a LoRA run of rank `lora_rank` would hold, beside it).
@@ -174,7 +174,9 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   `decode_topology`: the rollout host's own slice for the engine's programs (e.g. v6e:2x4
   beside a v6e:8x8 trainer; default `topology`).
   `programs`: which of PROGRAMS to lower ("lora_train": the GRPO step of a rank-`lora_rank`
-  LoRA run on the frozen bf16 base); the others are reported as skipped."""
+  LoRA run on the frozen bf16 base); the others are reported as skipped.
+  `serving_layout` (None: off CPU, as `DecodeEngine`): the engine's params in the decode
+  loop's own layout (`EnginePrograms`); False measures what the default layout costs."""
   unknown = set(programs) - set(PROGRAMS)
   if unknown:
     raise ValueError(f"unknown programs {sorted(unknown)}; expected some of {PROGRAMS}")
@@ -206,10 +208,13 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   mesh_size, decode_size = math.prod(mesh_shape.values()), math.prod(decode_shape.values())
   compile_kw = dict(platform=platform, compile_=compile_, concrete=bool(topology))
 
-  def lower(name, jitted, args, size):
+  def lower(name, jitted, args, size, keep=None):
     if name not in programs:
       return {"lowered": False, "compiled": False, "skipped": "not asked for"}
-    return lower_and_compile(jitted, args, mesh_size=size, **compile_kw)[0]
+    report, program = lower_and_compile(jitted, args, mesh_size=size, **compile_kw)
+    if keep is not None and report["compiled"]:
+      keep(program)
+    return report
 
   # ---- train state and step (as pipeline.grpo_update.grpo_learner wires them) ----------------
   # without an rl block: the learner's defaults (the schedule does not change any shape)
@@ -259,15 +264,21 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
                      (lora_state, batch, version, serving_train, None), mesh_size)
 
   # ---- engine: the decode loop the engine runs, on abstract params and KV pages ----------
+  # (as `DecodeEngine` builds them: the serving layout off CPU, the decode loop's params'
+  # layout adopted by the prefill once it compiled)
   engine = EnginePrograms(cfg, numerics, num_slots=num_slots,
                           max_blocks=pages_for(max_seq_len, cfg.page_size),
-                          steps_per_call=steps_per_call, sharding=decode_sh)
+                          steps_per_call=steps_per_call, sharding=decode_sh,
+                          serving_layout=(platform != "cpu" if serving_layout is None
+                                          else serving_layout))
   num_pages = engine.round_pages(1 + num_slots * pages_for(max_seq_len, cfg.page_size))
   decode_args = engine.decode_args(num_pages)
   serving, (pool, _) = decode_args[0], decode_args[1]
   pool_shape = pool.shape
-  decode = lower("decode", engine.decode, decode_args, decode_size)
-  decode.update(num_slots=num_slots, max_seq_len=max_seq_len, steps_per_call=steps_per_call)
+  decode = lower("decode", engine.decode, decode_args, decode_size,
+                 keep=engine.adopt_serving_layout if engine.serving_layout else None)
+  decode.update(num_slots=num_slots, max_seq_len=max_seq_len, steps_per_call=steps_per_call,
+                serving_layout=engine.serving_layout)
   # the engine's largest prefill call: every slot, or what config.engine.max_prefill_tokens
   # leaves of them at full width
   width = prefill_len or max_seq_len
@@ -275,7 +286,9 @@ def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int
   prefill_rows = prefill_rows or min(num_slots, cap // width if cap else num_slots)
   prefill = lower("prefill", engine.prefill,
                   engine.prefill_args(num_pages, prefill_rows, width), decode_size)
-  prefill.update(rows=prefill_rows, width=width)
+  prefill.update(rows=prefill_rows, width=width, params_layout=(
+      "default" if not engine.serving_layout else "the decode loop's"
+      if engine.param_formats is not None else "its own (the decode loop did not compile)"))
 
   # ---- bytes ----------------------------------------------------------------------------
   parts = {

@@ -142,7 +142,8 @@ def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
                       compile_: bool, concrete: bool = False) -> tuple[dict, Any]:
   """Lowers `jitted` on abstract args; compiles on the first mesh_size devices if it can.
   `concrete`: the args' mesh is real devices (a TPU topology's chips): lowered for them
-  and compiled by their compiler, with its memory and cost analysis."""
+  and compiled by their compiler, with its memory and cost analysis. Returns (report,
+  the compiled program, or the lowered one where it did not compile)."""
   out: dict[str, Any] = {"lowered": False, "compiled": False}
   t0 = time.perf_counter()
   try:
@@ -173,4 +174,4 @@ def lower_and_compile(jitted, args: tuple, *, platform: str, mesh_size: int,
   out.update(compiled=True, compile_s=round(time.perf_counter() - t0, 2),
              memory=memory_stats(compiled), cost=cost_stats(compiled),
              hlo=hlo_stats(compiled))
-  return out, lowered
+  return out, compiled

@@ -240,10 +240,12 @@ def started_together(jitted: Callable, name: str, mesh: jax.sharding.Mesh | None
   too (`every_call`) or just run. So no process reaches a program's collectives 30 s after
   another for having compiled it (or, `every_call`, done its own host work) more slowly.
   Every process must make the same calls in the same order. `jitted` itself when `mesh`
-  does not span processes (None, abstract, or one process's devices)."""
+  does not span processes (None, abstract, or one process's devices). `jitted` may also be
+  a program compiled ahead of time (`jax.stages.Compiled`): then only the barrier."""
   if not spans_processes(mesh):
     return jitted
   compiled: set = set()
+  ahead_of_time = isinstance(jitted, jax.stages.Compiled)
 
   def call(*args):
     leaves, treedef = jax.tree.flatten(args)
@@ -251,13 +253,15 @@ def started_together(jitted: Callable, name: str, mesh: jax.sharding.Mesh | None
                                 for x in leaves))
     first = signature not in compiled
     if first:
-      jitted.lower(*args).compile()
+      if not ahead_of_time:
+        jitted.lower(*args).compile()
       compiled.add(signature)
     if first or every_call:
       barrier(f"{name} starts")
     return jitted(*args)
 
-  call.lower, call.trace = jitted.lower, jitted.trace  # ahead-of-time use (rljax.aot)
+  if not ahead_of_time:
+    call.lower, call.trace = jitted.lower, jitted.trace  # ahead-of-time use (rljax.aot)
   return call
 
 

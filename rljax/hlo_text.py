@@ -88,3 +88,29 @@ def attr(attrs: str, key: str) -> str | None:
 
 def names(value: str | None) -> list[str]:
   return re.findall(r"%?([\w.\-]+)", value.strip("{}")) if value else []
+
+
+ARITHMETIC = ("dot", "convolution", "custom-call")
+_ARITHMETIC_ATTRS = ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims",
+                     "rhs_batch_dims", "dim_labels", "window")
+
+
+def arithmetic(text: str) -> dict[tuple, int]:
+  """The program's matmuls and kernel calls (`ARITHMETIC` opcodes), each as (opcode, result
+  type, operand types, dimension attributes), counted: layouts included ("bf16[8,128]{0,1}"),
+  so two programs with the same multiset compute the same products on operands laid out
+  the same way, whatever else (copies, gathers) differs between them."""
+  comps, _ = parse(text)
+  out: dict[tuple, int] = {}
+  for insts in comps.values():
+    for inst in insts.values():
+      if inst.opcode not in ARITHMETIC:
+        continue
+      operands = tuple(insts[o].type if o in insts else "?" for o in inst.operands)
+      attrs = tuple(f"{k}={attr(inst.attrs, k)}" for k in _ARITHMETIC_ATTRS
+                    if attr(inst.attrs, k) is not None)
+      target = re.search(r'custom_call_target="([^"]*)"', inst.attrs)
+      attrs += (target.group(1),) if target else ()
+      key = (inst.opcode, inst.type, operands, attrs)
+      out[key] = out.get(key, 0) + 1
+  return out

@@ -182,6 +182,14 @@ def main():
   print(f"process {process_id}: 8-device engine {time.perf_counter() - t0:.1f} s, traces "
         f"{dict(engine.trace_counts)}", file=sys.stderr)
 
+  # the params in the decode loop's own layout (what accelerators run): its decode loop is
+  # compiled ahead of time and started together through the same barrier
+  with built.config.unlocked():
+    built.config.engine.serving_layout = True
+  laid_out = built.make_engine(p0, sharding=built.trainer_engine_sharding())
+  out["serving_layout"] = serve(laid_out, reqs, p1)
+  out["serving_layout_chosen"] = laid_out.programs.param_formats is not None
+
   host = [distributed.gather(p) for p in (p0, p1)]  # a collective: both processes
   if distributed.is_primary():
     t0 = time.perf_counter()

@@ -90,10 +90,10 @@ def _setup():
   return cfg, params, reqs
 
 
-def _run(cfg, params, reqs, sharding):
+def _run(cfg, params, reqs, sharding, **engine_kw):
   t0 = time.perf_counter()
   eng = DecodeEngine(cfg, params, numerics=DET, num_slots=SLOTS, max_seq_len=64, eos_id=2,
-                     sharding=sharding)
+                     sharding=sharding, **engine_kw)
   trajs = eng.generate(reqs)
   print(f"engine {sharding and dict(sharding.mesh.shape)}: {time.perf_counter() - t0:.1f} s "
         f"traces {dict(eng.trace_counts)}", file=sys.stderr)
@@ -133,6 +133,11 @@ def engine_results():
       train = trainer_logprobs(cfg, params, trajs)
       out[name]["trainer_bits_equal"] = all(
           np.array_equal(train[k].view(np.uint32), got[k][1].view(np.uint32)) for k in got)
+  # the params in the decode loop's own layout on the mesh (what accelerators run)
+  eng, trajs = _run(cfg, params, reqs, _decode_sharding(LAYOUTS["data2_expert4"]),
+                    serving_layout=True)
+  out["serving_layout"] = _compare(records(trajs), ref) | {
+      "decode_compiled_ahead": isinstance(eng.programs.decode, jax.stages.Compiled)}
   try:
     DecodeEngine(cfg, params, numerics=DET, num_slots=16, max_seq_len=64,
                  sharding=sharding_lib.Sharding(sharding_lib.make_mesh({"data": 8}),

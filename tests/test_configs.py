@@ -3,6 +3,7 @@
 import importlib
 import inspect
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,16 @@ def test_engine_prefill_buckets_must_be_a_bool():
                                                  prefill_buckets="no"))
   with pytest.raises(ConfigError, match="config.engine.prefill_buckets must be True or "
                      "False, got 'no'"):
+    build(config, ASYNC_TRAINER)
+
+
+@pytest.mark.parametrize("value", ["true", 1, 0.0])
+def test_engine_serving_layout_must_be_a_bool_or_none(value):
+  config = arith_tiny.get_config()
+  config.engine = ml_collections.ConfigDict(dict(num_slots=64, max_seq_len=16,
+                                                 serving_layout=value))
+  with pytest.raises(ConfigError, match=r"config.engine.serving_layout must be True, False "
+                     r"or None \(off CPU\), got " + re.escape(repr(value))):
     build(config, ASYNC_TRAINER)
 
 

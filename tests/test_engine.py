@@ -71,7 +71,8 @@ def _executables(eng):
   compiled again for an argument's placement (fresh pools or params are uncommitted, a
   program's outputs committed)."""
   p = eng.programs
-  return sum(f._cache_size() for f in (p.decode, p.prefill, p.sample, p.copy))  # pylint: disable=protected-access
+  return sum(1 if isinstance(f, jax.stages.Compiled) else f._cache_size()  # pylint: disable=protected-access
+             for f in (p.decode, p.prefill, p.sample, p.copy))
 
 
 def _by_key(trajs):
@@ -82,7 +83,8 @@ def _by_key(trajs):
 def det_runs(tiny_cfg, tiny_params):
   """The same 6 requests (groups of 4) through engines with different slot counts and
   submission orders and decode steps per device call: different batch compositions,
-  slots, companions and chunking."""
+  slots, companions and chunking; and one with the params in the serving layout (the
+  decode loop compiled ahead of time, what accelerators run)."""
   reqs = _requests(tiny_cfg, 6, n=4)
   runs = {}
   shuffled = [reqs[i] for i in (3, 0, 5, 1, 4, 2)]
@@ -99,6 +101,9 @@ def det_runs(tiny_cfg, tiny_params):
     runs[name] = (eng, eng.generate(order))
   alone = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL, eos_id=EOS)
   runs["alone"] = (alone, alone.generate([reqs[2]]))
+  laid_out = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL,
+                          eos_id=EOS, serving_layout=True)
+  runs["serving_layout"] = (laid_out, laid_out.generate(reqs))
   return runs
 
 
@@ -113,7 +118,7 @@ def test_engine_logprobs_are_bitwise_the_trainers(tiny_cfg, tiny_params, det_run
 def test_tokens_do_not_depend_on_slot_or_companions(det_runs):
   base = _by_key(det_runs["slots8"][1])
   for name in ("slots3_reversed_1step", "slots5_shuffled_3steps", "slots5_capped_unbucketed",
-               "alone"):
+               "alone", "serving_layout"):
     for key, t in _by_key(det_runs[name][1]).items():
       np.testing.assert_array_equal(t.completion_ids, base[key].completion_ids, err_msg=name)
       chex.assert_trees_all_equal(t.behaviour_logprobs, base[key].behaviour_logprobs)
@@ -236,13 +241,14 @@ def test_a_requests_sampling_id_stands_for_its_id_in_the_sampling_keys(tiny_cfg,
   assert out[(3, 0)].completion_ids.tolist() != out[(5, 0)].completion_ids.tolist()
 
 
-@pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_in_flight_weight_update(tiny_cfg, tiny_params, policy):
+@pytest.mark.parametrize("policy, serving_layout",
+                         [("keep", False), ("recompute", False), ("recompute", True)])
+def test_in_flight_weight_update(tiny_cfg, tiny_params, policy, serving_layout):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
   # committed weights, as a trainer's step hands them over (the pools start uncommitted)
   params = jax.device_put(tiny_params, jax.devices()[0])
   eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=8, **POOL,
-                     weight_update=policy)
+                     weight_update=policy, serving_layout=serving_layout)
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)
   finished = []

@@ -47,6 +47,13 @@ def test_cross_process_engine_is_bitwise_the_one_device_engine(results):
 
 
 @pytest.mark.multidevice
+def test_the_serving_layout_across_processes_changes_no_bit(results):
+  for r in results:
+    assert r["serving_layout_chosen"]
+    chex.assert_trees_all_equal(_arrays(r["serving_layout"]), _arrays(results[0]["reference"]))
+
+
+@pytest.mark.multidevice
 def test_trainer_layout_params_are_resharded_by_the_decode_rules(results):
   for r in results:
     p = r["placement"]

@@ -3,6 +3,7 @@
 import chex
 import jax
 import numpy as np
+import pytest
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.engine.programs import EnginePrograms
@@ -62,3 +63,20 @@ def test_public_programs_reproduce_the_engine_bitwise(tiny_cfg, tiny_params):
   chex.assert_trees_all_equal(np.concatenate(got_routing), want.expert_ids[:-1])
   assert programs.trace_counts == {"prefill_1x32": 1, "sample": 1, "decode": 1}
   assert engine.trace_counts["decode"] == 1
+
+
+def test_the_serving_layout_is_chosen_once_before_the_weights_arrive(tiny_cfg, tiny_params):
+  """`serving_layout`: the decode loop compiles ahead of time for the pool and picks the
+  params' layout; weights placed before that would sit in a layout no program asked for,
+  and a second choice would strand the placed ones. Both are refused."""
+  programs = EnginePrograms(tiny_cfg, DET, num_slots=8, max_blocks=8, serving_layout=True)
+  with pytest.raises(ValueError, match="prepare_serving_layout first"):
+    programs.place_params(tiny_params)
+  programs.prepare_serving_layout(65)
+  placed = programs.place_params(tiny_params)
+  assert jax.tree.map(lambda a: a.format, placed) == programs.param_formats
+  assert isinstance(programs.decode, jax.stages.Compiled)
+  with pytest.raises(ValueError, match="chosen once per engine"):
+    programs.prepare_serving_layout(65)
+  with pytest.raises(ValueError, match=r"needs EnginePrograms\(serving_layout=True\)"):
+    EnginePrograms(tiny_cfg, DET, num_slots=8, max_blocks=8).prepare_serving_layout(65)

@@ -36,6 +36,13 @@ def test_deterministic_sharded_engine_is_bitwise_the_one_device_engine(results, 
 
 
 @pytest.mark.multidevice
+def test_the_serving_layout_on_a_mesh_changes_no_bit(results):
+  r = results["engine"]["serving_layout"]
+  assert r["decode_compiled_ahead"] and r["same_keys"] and r["tokens_equal"]
+  assert r["logprob_bits_equal"], r["logprob_max_abs_diff"]
+
+
+@pytest.mark.multidevice
 def test_sharded_engine_logprobs_are_the_trainers_bitwise(results):
   assert results["engine"]["data8"]["trainer_bits_equal"]
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,7 +62,7 @@ class DecodeEngine:
                weight_update: WeightUpdatePolicy = "keep",
                sharding: sharding_lib.Sharding | None = None, steps_per_call: int = 8,
                max_stop_tokens: int = 4, prefill_buckets: bool = True,
-               max_prefill_tokens: int = 0):
+               max_prefill_tokens: int = 0, serving_layout: bool | None = None):
     """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
     most num_slots rows, max_seq_len tokens): least padding, one program per (rows, width)
     bucket, up to (log2 num_slots + 1) x (log2 pages per sequence + 1) compiles. False:
@@ -72,7 +73,11 @@ class DecodeEngine:
     width, padding included) one prefill call may take; more admitted work is prefilled in
     several calls. What a prefill holds grows with its tokens (Qwen3-235B-A22B's 64 x 4,096
     needs 109 GB of temporaries a chip on a 16-chip v5p host); at least one row of
-    max_seq_len."""
+    max_seq_len.
+    `serving_layout` (None: on accelerators, off on CPU, where every layout is the default
+    one): the weights are kept in the layout the decode loop's compiler chose, relaid out
+    once per version instead of copied at every decode call (`EnginePrograms`); the decode
+    loop then compiles here."""
     if weight_update not in ("keep", "recompute"):
       raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
     if steps_per_call < 1 or max_stop_tokens < 0:
@@ -96,10 +101,15 @@ class DecodeEngine:
     num_pages = num_pages or 1 + num_slots * self.max_blocks
     if sharding is not None:
       check_slots(sharding, numerics, num_slots)
+    if serving_layout is None:
+      serving_layout = platform(sharding) != "cpu"
     self.programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
                                    max_blocks=self.max_blocks, steps_per_call=steps_per_call,
-                                   max_stop_tokens=max_stop_tokens, sharding=sharding)
+                                   max_stop_tokens=max_stop_tokens, sharding=sharding,
+                                   serving_layout=serving_layout)
     num_pages = self.programs.round_pages(num_pages)  # the pool splits evenly
+    if serving_layout:
+      self.programs.prepare_serving_layout(num_pages)
     self.n_moe = len(cfg.moe_layers())
     self.scheduler = Scheduler(
         num_slots=num_slots, max_seq_len=max_seq_len, page_size=self.page_size,
@@ -222,30 +232,33 @@ class DecodeEngine:
     num_slots items, none empty."""
     if not 0 < len(items) <= self.num_slots or any(hi <= lo for _, lo, hi in items):
       raise AssertionError("prefill takes 1..num_slots non-empty token ranges")
-    calls = [[]]
+    calls, longest = [[]], 0  # longest: of the last call's ranges
     for item in items:
-      rows, width = self._prefill_shape(calls[-1] + [item])
+      length = item[2] - item[1]
+      rows, width = self._prefill_shape(len(calls[-1]) + 1, max(longest, length))
       if calls[-1] and (len(calls[-1]) == rows or rows * width > self.max_prefill_tokens):
         calls.append([])
+        longest = 0
       calls[-1].append(item)
+      longest = max(longest, length)
     if len(calls) == 1:
       return self._prefill_call(items)
     # each call's rows in order, on device (where the sampler's program takes them)
     logits = jnp.concatenate([self._prefill_call(c)[:len(c)] for c in calls])
     return jnp.pad(logits, ((0, self.num_slots - len(items)), (0, 0)))
 
-  def _prefill_shape(self, items: list[Prefill]) -> tuple[int, int]:
-    """(rows, width) of one prefill call of `items`."""
+  def _prefill_shape(self, count: int, longest: int) -> tuple[int, int]:
+    """(rows, width) of one prefill call of `count` token ranges, the longest `longest`."""
     if not self.prefill_buckets:
       return self.prefill_rows, self.max_blocks * self.page_size
-    pages = pages_for(max(hi - lo for _, lo, hi in items), self.page_size)
+    pages = pages_for(longest, self.page_size)
     width = self.page_size * (1 << max(0, (pages - 1).bit_length()))
-    return min(1 << (len(items) - 1).bit_length(), self.num_slots), width
+    return min(1 << (count - 1).bit_length(), self.num_slots), width
 
   def _prefill_call(self, items: list[Prefill]):
     """One prefill program call of `items` (fitting its shape); logits [num_slots, V]."""
     self._copy_pages(self.scheduler.prefill_pages(items))
-    rows, width = self._prefill_shape(items)
+    rows, width = self._prefill_shape(len(items), max(hi - lo for _, lo, hi in items))
     tokens = np.zeros((rows, width), np.int32)
     positions = np.full((rows, width), -1, np.int32)
     table = np.zeros((rows, self.max_blocks), np.int32)
@@ -318,6 +331,12 @@ class DecodeEngine:
       src[:len(chunk)] = [c[0] for c in chunk]
       dst[:len(chunk)] = [c[1] for c in chunk]
       self.pools = self.programs.copy(self.pools, src, dst)
+
+
+def platform(sharding: sharding_lib.Sharding | None) -> str:
+  """The platform the engine's programs run on ("cpu", "tpu", "gpu")."""
+  device = jax.devices()[0] if sharding is None else sharding.mesh.devices.flat[0]
+  return device.platform
 
 
 def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int) -> None:

@@ -37,7 +37,8 @@ Optional keys, read with defaults: `rl.max_all_infra_updates` (3: consecutive up
 nothing but infra failures that stop a run; 0: never), `rl.kl_to_start`,
 `rl.signal_scaled_updates` (False), `rl.collapse_fall` / `rl.collapse_window`,
 `eval.collapse_fall`, `engine.prefill_buckets` (True; `DecodeEngine`'s),
-`engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s), `rl.checkpoint_every` (0: the
+`engine.max_prefill_tokens` (0: no limit; `DecodeEngine`'s), `engine.serving_layout` (None:
+off CPU; `DecodeEngine`'s), `rl.checkpoint_every` (0: the
 lockstep loop saves no checkpoints; experiments/grpo.py --resume goes on from the latest).
 The optimizer recipe of `sft` and `rl` (`recipe.block_optimizer`): `schedule_steps` (0 or None: the block's `steps`; the
 cosine decay's horizon, so a longer one leaves the rate above the final one at the run's
@@ -152,6 +153,10 @@ def validate(config: ml_collections.ConfigDict, needs: Iterable[str]) -> None:
   if "engine" in needs and not isinstance(config.engine.get("prefill_buckets", True), bool):
     raise ConfigError("config.engine.prefill_buckets must be True or False, got "
                       f"{config.engine.prefill_buckets!r}")
+  layout = config.engine.get("serving_layout", None) if "engine" in needs else None
+  if not any(layout is ok for ok in (None, True, False)):
+    raise ConfigError("config.engine.serving_layout must be True, False or None (off CPU), got "
+                      f"{config.engine.serving_layout!r}")
   max_prefill = config.engine.get("max_prefill_tokens", 0) if "engine" in needs else 0
   if isinstance(max_prefill, bool) or not isinstance(max_prefill, int) or max_prefill < 0:
     raise ConfigError("config.engine.max_prefill_tokens must be an int >= 0 (0: no limit), "
@@ -389,7 +394,8 @@ class Built:
                         version=version, weight_update=weight_update, sharding=sharding,
                         max_stop_tokens=max(4, extra_stops),
                         prefill_buckets=bool(e.get("prefill_buckets", True)),
-                        max_prefill_tokens=int(e.get("max_prefill_tokens", 0)))
+                        max_prefill_tokens=int(e.get("max_prefill_tokens", 0)),
+                        serving_layout=e.get("serving_layout", None))
 
   def engine_sharding(self) -> sharding_lib.Sharding | None:
     """A rollout host's mesh: `config.engine.mesh` (axis sizes; none or 1 device: no mesh)
