@@ -1,19 +1,24 @@
 """The engine's expert path on CPU: every expert for every token ("dense") against only the
 routed experts in tiles ("tiled"), by experts, top-k and tokens per call.
 
-Workload: one MoE layer's experts (`moe.experts_local`, fast numerics, the engine's compute
-dtype on this CPU: `ModelConfig(dtype="auto").resolved("cpu", "fast")`), jitted, on T tokens
-of random activations routed uniformly at random, for tiny_moe's experts (8, top-2, hidden
-64, width 32), 32 experts top-4 and Qwen3-30B-A3B's count (128, top-8) at widths 128 / 64;
+Workload: one MoE layer's experts and the combine of each token's k outputs, as the
+engine's `moe_block` runs them on one device (dense: `moe.dense_mixture`, the combine
+folded into one down-projection dot; tiled: `moe.experts_local(path="tiled")` then
+`moe.combine`), fast numerics, the engine's compute dtype on this CPU
+(`ModelConfig(dtype="auto").resolved("cpu", "fast")`), jitted, on T tokens of random
+activations routed uniformly at random (Dirichlet routing weights), for tiny_moe's
+experts (8, top-2, hidden 64, width 32), arith_tiny's (8, top-2, 128, 128), 32 experts
+top-4 and Qwen3-30B-A3B's count (128, top-8) at widths 128 / 64;
 T from a decode step of 8 slots to a prefill of 2,048 tokens. The decision variable is
 `moe.dense_work_ratio`: the dense path's rows (T x E) over the tiled path's (T x k slots +
-E x row tile of padding at most). Timing: dense and tiled alternate (A B, repeated), each
+E x row tile of padding at most), against `moe.TILED_BEATS_DENSE_AT`. Timing: dense and tiled alternate (A B, repeated), each
 call blocked on; the ratio is the median of per-round ratios dense / tiled (> 1: tiled is
 faster). Then the whole engine (`DecodeEngine.generate`: 16-token prompts, 64 new tokens
-each, greedy, fast numerics) on configs/tiny_moe.py's shapes with random weights, at 32 and
-256 slots, with `engine_experts="dense"` (the old CPU choice) against "by_tokens" (the
-rule), alternating; ratio = median of per-round dense / by_tokens times. Last line: one
-JSON object.
+each, greedy, fast numerics) on configs/tiny_moe.py's and configs/arith_tiny.py's shapes
+(max_position_embeddings at least 80) with random weights, at 32 and 256 slots, with
+`engine_experts="dense"` against "tiled" and "by_tokens" (the rule), alternating; ratios
+= medians of per-round times over by_tokens' (> 1: the rule's choice is faster). Last
+line: one JSON object.
 """
 
 import json
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import tiny_moe
+from configs import arith_tiny, tiny_moe
 from experiments import machine_info
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.model import ModelConfig, init_params, moe
@@ -34,9 +39,10 @@ from rljax.numerics import Numerics
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "alternating timing rounds")
 _REPS = flags.DEFINE_integer("reps", 5, "calls per timing")
 SHAPES = (  # (experts, top_k, hidden, width)
-    (8, 2, 64, 32), (32, 4, 128, 64), (128, 8, 128, 64))
+    (8, 2, 64, 32), (8, 2, 128, 128), (32, 4, 128, 64), (128, 8, 128, 64))
 TOKENS = (8, 32, 128, 512, 2048)
 ROW_TILE = 32
+CONFIGS = {"tiny_moe": tiny_moe, "arith_tiny": arith_tiny}
 
 
 def _timed(fn, args, reps):
@@ -46,34 +52,34 @@ def _timed(fn, args, reps):
   return (time.perf_counter() - t0) / reps
 
 
-def _engine_rounds(slots: int, rounds: int) -> dict:
+def _engine_rounds(name: str, slots: int, rounds: int) -> dict:
   """generate() times of the engine with each CPU expert path, alternating."""
   fast = Numerics("fast")
-  base = ModelConfig.from_dict(tiny_moe.get_config().model.to_dict())
+  model = CONFIGS[name].get_config().model.to_dict()
+  model["max_position_embeddings"] = max(80, model["max_position_embeddings"])
+  base = ModelConfig.from_dict(model)
   params = init_params(base.resolved("cpu", fast), jax.random.key(0))
   prompts = np.random.default_rng(1).integers(3, base.vocab_size, (slots, 16)).astype(np.int32)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
   engines = {path: DecodeEngine(ModelConfig(**{**base.__dict__, "engine_experts": path})
                                 .resolved("cpu", fast), params, numerics=fast,
                                 num_slots=slots, max_seq_len=80)
-             for path in ("dense", "by_tokens")}
+             for path in ("dense", "tiled", "by_tokens")}
   run = lambda e: e.generate([Request(i, prompts[i], sampling=greedy)  # noqa: E731
                               for i in range(slots)])
-  outs = {path: run(e) for path, e in engines.items()}  # compile
-  same = all(np.array_equal(a.completion_ids, b.completion_ids)
-             for a, b in zip(outs["dense"], outs["by_tokens"]))
+  for e in engines.values():
+    run(e)  # compile
   times = {path: [] for path in engines}
   for _ in range(rounds):
     for path, e in engines.items():
       t0 = time.perf_counter()
       run(e)
       times[path].append(time.perf_counter() - t0)
-  return {"slots": slots, "tokens": slots * 64,
-          "dense_tok_s": round(slots * 64 / statistics.median(times["dense"]), 1),
-          "by_tokens_tok_s": round(slots * 64 / statistics.median(times["by_tokens"]), 1),
-          "dense_over_by_tokens": round(statistics.median(
-              d / b for d, b in zip(times["dense"], times["by_tokens"])), 3),
-          "same_greedy_tokens": same}
+  ratio = lambda a: round(statistics.median(  # noqa: E731
+      x / y for x, y in zip(times[a], times["by_tokens"])), 3)
+  return {"config": name, "slots": slots, "tokens": slots * 64,
+          "tok_s": {p: round(slots * 64 / statistics.median(t), 1) for p, t in times.items()},
+          "dense_over_by_tokens": ratio("dense"), "tiled_over_by_tokens": ratio("tiled")}
 
 
 def main(_):
@@ -91,14 +97,17 @@ def main(_):
       x = jnp.asarray(rng.standard_normal((t, d)), dtype)
       ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]),
                         jnp.int32)
-      fns = {path: jax.jit(lambda x, ids, path=path: moe.experts_local(
-          x, ids, gate, up, down, 0, fast, path, ROW_TILE)) for path in ("dense", "tiled")}
+      w = jnp.asarray(rng.dirichlet(np.ones(k), t), jnp.float32)
+      fns = {"dense": jax.jit(lambda x, ids, w: moe.dense_mixture(
+                 x, ids, w, gate, up, down, fast)),
+             "tiled": jax.jit(lambda x, ids, w: moe.combine(moe.experts_local(
+                 x, ids, gate, up, down, 0, fast, "tiled", ROW_TILE), w))}
       for fn in fns.values():
-        jax.block_until_ready(fn(x, ids))  # compile
+        jax.block_until_ready(fn(x, ids, w))  # compile
       ratios, times = [], {"dense": [], "tiled": []}
       for _ in range(_ROUNDS.value):
         for path, fn in fns.items():
-          times[path].append(_timed(fn, (x, ids), _REPS.value))
+          times[path].append(_timed(fn, (x, ids, w), _REPS.value))
         ratios.append(times["dense"][-1] / times["tiled"][-1])
       row = {"experts": e, "top_k": k, "hidden": d, "width": f, "tokens": t,
              "dense_work_ratio": round(moe.dense_work_ratio(t, e, k, ROW_TILE), 3),
@@ -107,18 +116,18 @@ def main(_):
              "dense_over_tiled": round(statistics.median(ratios), 3)}
       rows.append(row)
       print(json.dumps(row), flush=True)
-  engine = [_engine_rounds(slots, 3) for slots in (32, 256)]
+  engine = [_engine_rounds(name, slots, 3) for name in CONFIGS for slots in (32, 256)]
   for row in engine:
     print(json.dumps(row), flush=True)
-  agree = [r for r in rows if (r["dense_over_tiled"] > 1) == (
-      r["dense_work_ratio"] > moe.TILED_BEATS_DENSE_AT)]
+  agree = [r for r in rows if (r["dense_over_tiled"] > 1) == moe.tiled_beats_dense(
+      r["tokens"], r["experts"], r["top_k"], ROW_TILE)]
   print(json.dumps({
       "bench": "engine_experts", "dtype": str(dtype), "row_tile": ROW_TILE,
       "rounds": _ROUNDS.value, "reps": _REPS.value, "rows": rows,
       "rule": f"tiled when dense_work_ratio > {moe.TILED_BEATS_DENSE_AT}",
       "rule_picks_the_faster": f"{len(agree)}/{len(rows)}",
       "rule_misses": [r for r in rows if r not in agree],
-      "engine_tiny_moe": engine,
+      "engine": engine,
       "machine": machine_info.machine()}))
 
 

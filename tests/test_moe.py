@@ -55,18 +55,43 @@ def test_every_fast_path_gives_the_ragged_outputs(row_tile, offset):
 
 @pytest.mark.parametrize("tokens,path", [(8, "dense"), (40, "dense"), (512, "tiled")])
 def test_by_tokens_runs_dense_for_a_few_tokens_and_tiled_for_many(tokens, path):
-  # the engine's CPU path: 8 experts top-2, row tile 32: the dense path's rows over the
-  # tiled path's are 0.24 / 0.89 / 3.2 (threshold 2.0); it is that path, bit for bit
-  x, ids, gate, up, down = _problem(tokens, 64, 8, 32, 2, jnp.bfloat16, seed=4)
+  # the engine's CPU path: 32 experts top-4, row tile 32: the dense path's rows over the
+  # tiled path's are 0.24 / 1.1 / 5.3 (threshold 4.0); it is that path, bit for bit
+  x, ids, gate, up, down = _problem(tokens, 64, 32, 32, 4, jnp.bfloat16, seed=4)
   run = lambda p: jax.jit(lambda *a: moe.experts_local(*a, 0, FAST, p, 32))(  # noqa: E731
       x, ids, gate, up, down)
-  assert (moe.dense_work_ratio(tokens, 8, 2, 32) > moe.TILED_BEATS_DENSE_AT) == (
-      path == "tiled")
+  assert moe.tiled_beats_dense(tokens, 32, 4, 32) == (path == "tiled")
   chex.assert_trees_all_equal(run("by_tokens"), run(path))
+  # 8 experts top-2 (tiny_moe, arith_tiny): at most 8 / 2 = 4 dense rows per tiled row
+  assert not any(moe.tiled_beats_dense(t, 8, 2, 32) for t in (8, 512, 2 ** 20))
   with pytest.raises(ValueError, match="not in deterministic numerics"):
     moe.experts_local(x, ids, gate, up, down, 0, DET, "by_tokens", 32)
   with pytest.raises(ValueError, match="'by_tokens' expert path mixes"):
     ModelConfig(**TINY, engine_experts="by_tokens").resolved("cpu", DET)
+
+
+def test_the_dense_mixture_is_the_dense_paths_weighted_sum():
+  # the combine folded into one down-projection dot: the same products summed in another
+  # order (f32: within f32 rounding of ~100-term sums, rtol 1e-5), and in bf16 one more
+  # rounding of weight x hidden (2^-8 relative) before a sum of 3 x 16 products
+  rng = np.random.default_rng(5)
+  for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+    x, ids, gate, up, down = _problem(40, 32, 6, 16, 3, dtype, seed=2, extra_ids=0)
+    w = jnp.asarray(rng.dirichlet(np.ones(3), 40), jnp.float32)
+    want = moe.combine(moe.experts_local(x, ids, gate, up, down, 0, FAST, "dense", 32), w)
+    got = moe.dense_mixture(x, ids, w, gate, up, down, FAST)
+    assert got.dtype == dtype and got.shape == (40, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+  with pytest.raises(ValueError, match="fast numerics only"):
+    moe.dense_mixture(x, ids, w, gate, up, down, DET)
+  # moe_block on one device: the dense path is the mixture, bit for bit
+  params = {"router": jnp.asarray(rng.normal(size=(32, 6)), dtype), "gate": gate, "up": up,
+            "down": down}
+  y, chosen = moe.moe_block(x, params, top_k=3, norm_topk_prob=True, numerics=FAST,
+                            path="dense")
+  _, weights = moe.route(x, params["router"], top_k=3, norm_topk_prob=True, numerics=FAST)
+  chex.assert_trees_all_equal(y, moe.dense_mixture(x, chosen, weights, gate, up, down, FAST))
 
 
 def test_tiled_gradients_equal_the_dense_paths():

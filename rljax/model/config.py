@@ -70,9 +70,10 @@ class ModelConfig:
   det_attention: str = "auto"
   # Expert paths (rljax.model.moe): "ragged" (sorted `lax.ragged_dot`, a grouped GEMM on
   # GPU/TPU), "tiled" (only the routed experts, in fixed tiles of `expert_row_tile` rows,
-  # one batched dot) or "dense" (every expert for every token), or (fast numerics)
-  # "by_tokens": per call, "tiled" when dense would compute over 2x its rows (prefills),
-  # else "dense" (moe.TILED_BEATS_DENSE_AT, measured). XLA:CPU expands `ragged_dot`
+  # one batched dot) or "dense" (every expert for every token; in fast numerics on one
+  # device `moe.dense_mixture`, the combine folded into the down projection's dot), or
+  # (fast numerics) "by_tokens": per call, "tiled" when dense would compute enough more
+  # rows (prefills), else "dense" (moe.tiled_beats_dense, measured). XLA:CPU expands `ragged_dot`
   # densely over every expert, so "auto" = on CPU "tiled" for the training forward
   # (thousands of tokens) and "by_tokens" for the engine's forward (decode steps of a few
   # tokens per slot, prefills of many); "ragged" elsewhere. Deterministic

@@ -18,10 +18,12 @@ No capacity, no drops: a token's output depends only on the token. Expert paths:
   projection) whose per-row numerics do not depend on the row count: num_experts / top_k
   times the expert FLOPs, and not the tiled path's bits (another dot kernel), so trainer
   and engine must both use it or neither (`ModelConfig.resolved` checks).
+  In fast numerics on one device (`moe_block` without expert parallelism) it is
+  `dense_mixture`: the combine folded into one down-projection dot.
 * fast, "by_tokens" (the engine's CPU choice): "tiled" when the dense path would compute
-  more than `TILED_BEATS_DENSE_AT` times the tiled path's rows (`dense_work_ratio` of the
-  call's static shapes: prefills of many tokens), else "dense" (decode steps of few
-  slots); the threshold is where the two cross on CPU (experiments/bench_engine_experts).
+  enough more rows than the tiled path (`tiled_beats_dense`, from the call's static
+  shapes: prefills of many tokens with many experts), else "dense" (decode steps); the
+  threshold is where the two cross on CPU (experiments/bench_engine_experts).
 
 Expert parallelism (`expert` mesh axis > 1), and any sharded run whose tiles a Pallas kernel
 multiplies (XLA cannot partition a kernel call), runs under `jax.shard_map`: each device
@@ -98,12 +100,7 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  if path == "by_tokens":
-    if numerics.deterministic:
-      raise ValueError("expert path 'by_tokens' mixes the dense and tiled paths' bits: "
-                       "not in deterministic numerics")
-    work = dense_work_ratio(t, e_local, ids.shape[1], row_tile)
-    path = "tiled" if work > TILED_BEATS_DENSE_AT else "dense"
+  path = resolved_path(path, numerics, t, ids.shape[1], row_tile, gate.shape)
   if path == "tiled" or (numerics.deterministic and path == "ragged"):
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
                        row_tile, kernel)
@@ -139,6 +136,45 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
     ys = dot(hidden, down.astype(x.dtype), sizes)
     y = jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype).reshape(t, k, d)
   return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
+
+
+def resolved_path(path: str, numerics: Numerics, tokens: int, top_k: int, row_tile: int,
+                  gate_shape: tuple[int, int, int]) -> str:
+  """`path` with "by_tokens" made "tiled" or "dense" for a call of `tokens` tokens of
+  experts whose gate weights are [D, E, F] (`tiled_beats_dense`)."""
+  if path != "by_tokens":
+    return path
+  if numerics.deterministic:
+    raise ValueError("expert path 'by_tokens' mixes the dense and tiled paths' bits: "
+                     "not in deterministic numerics")
+  return "tiled" if tiled_beats_dense(tokens, gate_shape[1], top_k, row_tile) else "dense"
+
+
+def dense_mixture(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array,
+                  up: jax.Array, down: jax.Array, numerics: Numerics) -> jax.Array:
+  """Fast numerics' "dense" path with the combine folded in: x [T, D] -> y [T, D].
+
+  Every expert for every token; each expert's hidden activations are scaled by the
+  token's routing weight on it (0 on the experts it did not pick) before the down
+  projection, so every expert's down projection and the sum over the token's k experts
+  are one 2-D dot [T, E*F] @ [E*F, D] on the weights as they are. The per-slot form (a
+  batched dot per expert, then `combine`) spent a third of a 32-slot CPU decode step on
+  that dot and on a transposed f32 copy of the down weights made every step. Not the
+  per-slot form's rounding (weight x hidden rounded to the compute dtype instead of each
+  slot's output): fast numerics only.
+  """
+  if numerics.deterministic:
+    raise ValueError("dense_mixture sums a token's experts inside one dot: fast numerics only")
+  t, d = x.shape
+  e, f = gate.shape[1], gate.shape[2]
+  g = numerics.matmul(x, gate.reshape(d, e * f)).astype(x.dtype)
+  u = numerics.matmul(x, up.reshape(d, e * f)).astype(x.dtype)
+  hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e, f)
+  # routing weights cast to the model dtype first, as `combine` (and HF) do
+  w = weights.astype(x.dtype).astype(jnp.float32)
+  per_expert = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * w[..., None], axis=1)
+  mixed = (hidden.astype(jnp.float32) * per_expert[..., None]).astype(x.dtype)
+  return numerics.matmul(mixed.reshape(t, e * f), down.reshape(e * f, d)).astype(x.dtype)
 
 
 def stable_order(keys: jax.Array, num_keys: int) -> jax.Array:
@@ -198,11 +234,19 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int, *,
   return src, dest, jnp.minimum(tile_expert, num_experts - 1).astype(jnp.int32)
 
 
-# The engine's CPU choice between every expert for every token ("dense") and only the
-# routed ones in tiles ("tiled"): tiled when the dense path has more than this many times
-# its rows. experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): at 2.0 the two
-# tie (0.99), below 0.95 dense is 1.2-3.7x faster, from 2.67 up tiled 1.3-10x.
-TILED_BEATS_DENSE_AT = 2.0
+# The engine's CPU choice between every expert for every token ("dense": `dense_mixture`,
+# one device) and only the routed ones in tiles ("tiled", then `combine`): tiled when the
+# dense path has more than this many rows per tiled row (`dense_work_ratio`).
+# experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): dense was the faster at
+# every ratio up to 3.8 (0.19-0.92 of tiled's time; 3.2 a tie at 128 experts), tiled from
+# 5.3 up (1.1-1.9x) but once (7.1: 0.68); with dense as a per-expert batched dot and a
+# separate combine the two crossed at 2.0.
+TILED_BEATS_DENSE_AT = 4.0
+
+
+def tiled_beats_dense(tokens: int, num_experts: int, top_k: int, row_tile: int) -> bool:
+  """Whether the tiled path is the faster on CPU for a call of `tokens` tokens."""
+  return dense_work_ratio(tokens, num_experts, top_k, row_tile) > TILED_BEATS_DENSE_AT
 
 
 def dense_work_ratio(tokens: int, num_experts: int, top_k: int, row_tile: int) -> float:
@@ -417,6 +461,9 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
                       for n, axes in (("gate", ("embed", "expert", "mlp")),
                                       ("up", ("embed", "expert", "mlp")),
                                       ("down", ("expert", "mlp", "embed"))))
+    path = resolved_path(path, numerics, x.shape[0], top_k, row_tile, gate.shape)
+    if path == "dense" and not numerics.deterministic:
+      return dense_mixture(x, ids, weights, gate, up, down, numerics), ids
     y = experts_local(x, ids, gate, up, down, 0, numerics, path, row_tile, kernel)
   return combine(y, weights), ids
 
