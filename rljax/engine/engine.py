@@ -293,29 +293,31 @@ class DecodeEngine:
     budgets, copies = self.scheduler.grant_decode()
     self._copy_pages(copies)
     seqs, s = list(self.slots), self.num_slots
+    live = [i for i, seq in enumerate(seqs) if seq is not None]
     tokens = np.zeros(s, np.int32)
     positions = np.full(s, -1, np.int32)
     table = np.zeros((s, self.max_blocks), np.int32)
     stop_ids = np.full((s, self.max_stop_tokens + 1), -1, np.int32)
-    for i, seq in enumerate(seqs):
-      if seq is not None:
-        tokens[i], positions[i] = seq.tokens[-1], len(seq.tokens) - 1
-        table[i] = table_row(seq.pages, self.max_blocks)
-        stops = self.scheduler.stop_ids(seq)
-        stop_ids[i, :len(stops)] = stops
+    tokens[live] = [seqs[i].tokens[-1] for i in live]
+    positions[live] = [len(seqs[i].tokens) - 1 for i in live]
+    for i in live:
+      table[i] = table_row(seqs[i].pages, self.max_blocks)
+      stops = self.scheduler.stop_ids(seqs[i])
+      stop_ids[i, :len(stops)] = stops
     toks, lps, routing, ran, self.pools = self.programs.decode(
         self.params, self.pools, tokens, positions, np.asarray(budgets, np.int32), table,
         *_sampling_arrays(seqs, s), stop_ids)
-    toks, lps, routing = np.asarray(toks), np.asarray(lps), np.asarray(routing)
+    # each slot's column, read back and converted once for all slots
+    toks, lps = np.asarray(toks).T.tolist(), np.asarray(lps).T.tolist()
+    routing = np.asarray(routing).swapaxes(0, 1)
     self.stats["decode_calls"] += 1
     self.stats["decode_steps"] += int(ran)
     finished = []
-    for i, seq in enumerate(seqs):
-      if seq is not None:
-        done = self.scheduler.record_decode(i, toks[:, i], lps[:, i], routing[:, i], budgets[i],
-                                            self.version)
-        if done is not None:
-          finished.append(done)
+    for i in live:
+      done = self.scheduler.record_decode(i, toks[i], lps[i], routing[i], budgets[i],
+                                          self.version)
+      if done is not None:
+        finished.append(done)
     self.scheduler.fill_slots()
     return finished
 

@@ -313,19 +313,19 @@ class Scheduler:
       return None
     return self._retire(seq, done)
 
-  def record_decode(self, slot: int, tokens: np.ndarray, logprobs: np.ndarray,
+  def record_decode(self, slot: int, tokens: list[int], logprobs: list[float],
                     routing: np.ndarray, steps: int, version: int) -> Trajectory | None:
-    """The slot's column of a decode call (tokens / logprobs [N], routing [N, M, K]): it
-    ran `steps` steps unless it sampled a stop id first (only its last token can end it:
+    """The slot's column of a decode call (tokens / logprobs: lists of N, routing [N, M, K]):
+    it ran `steps` steps unless it sampled a stop id first (only its last token can end it:
     budgets stop at the token limits). Frees the slot when the sequence ended."""
     seq = self.slots[slot]
-    new = tokens[:steps].tolist()
+    new = tokens[:steps]
     stops = self.stop_ids(seq)
     n = next((j + 1 for j, t in enumerate(new) if t in stops), steps)
     del new[n:]
     seq.routing += list(routing[:n])
     seq.tokens += new
-    seq.logprobs += logprobs[:n].tolist()
+    seq.logprobs += logprobs[:n]
     seq.versions += [version] * n
     seq.loss_mask += [True] * n
     seq.turn_tokens += n
