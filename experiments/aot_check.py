@@ -15,12 +15,13 @@ import jax
 from ml_collections import config_flags
 
 from rljax import aot, aot_report, numerics
+from rljax.engine.programs import STEPS_PER_CALL
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/qwen3_30b_a3b.py",
                                           "config with `model` and `mesh`", lock_config=True)
 _NUM_SLOTS = flags.DEFINE_integer("num_slots", 64, "engine decode slots")
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 4096, "engine max sequence length")
-_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 8, "decode steps per device call")
+_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", STEPS_PER_CALL, "decode steps a call")
 _MICROBATCH_TOKENS = flags.DEFINE_integer(
     "microbatch_tokens", 0, "tokens per training microbatch, all devices together (a "
     "multiple of row_len x batch shards); 0 = one row per batch shard")
@@ -42,8 +43,7 @@ _PREFILL_LEN = flags.DEFINE_integer("prefill_len", 0, "prefill width (0: max_seq
 _PROGRAMS = flags.DEFINE_list("programs", list(aot.DEFAULT_PROGRAMS),
                               f"which of {list(aot.PROGRAMS)} to lower and compile")
 _SERVING_LAYOUT = flags.DEFINE_enum("serving_layout", "auto", ["auto", "true", "false"],
-                                    "the engine's params in the decode loop's own layout "
-                                    "(auto: off CPU, as the engine)")
+                                    "params in the decode loop's layout (auto: off CPU)")
 _HOST_DEVICES = flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices "
                                      "(>= mesh size, for compiling; 0 = leave as is)")
 
@@ -60,16 +60,14 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   report = aot.check(_CONFIG.value, name=config_flags.get_config_filename(flags.FLAGS["config"]),
                      num_slots=_NUM_SLOTS.value, max_seq_len=_MAX_SEQ_LEN.value,
-                     steps_per_call=_STEPS_PER_CALL.value,
+                     steps_per_call=_STEPS_PER_CALL.value, microbatches=_MICROBATCHES.value,
                      microbatch_tokens=_MICROBATCH_TOKENS.value, row_len=_ROW_LEN.value,
-                     microbatches=_MICROBATCHES.value,
                      decode_mesh=aot.parse_mesh(_DECODE_MESH.value) or None,
                      decode_rules=_DECODE_RULES.value, platform=_PLATFORM.value,
                      compile_=_COMPILE.value, topology=_TOPOLOGY.value,
                      prefill_rows=_PREFILL_ROWS.value, prefill_len=_PREFILL_LEN.value,
                      programs=tuple(_PROGRAMS.value), decode_topology=_DECODE_TOPOLOGY.value,
-                     serving_layout={"auto": None, "true": True,
-                                     "false": False}[_SERVING_LAYOUT.value])
+                     serving_layout={"true": True, "false": False}.get(_SERVING_LAYOUT.value))
   if report["topology"]:
     report["fit"], report["roofline"] = aot_report.fits(report), aot_report.roofline(report)
   print(aot_report.table(report), flush=True)

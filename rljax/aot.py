@@ -50,7 +50,7 @@ from rljax import sharding as sharding_lib
 from rljax.aot_compile import (abstract_mesh, lower_and_compile, running_platform, topology_chips,
                                topology_mesh)
 from rljax.engine.pages import pages_for
-from rljax.engine.programs import EnginePrograms
+from rljax.engine.programs import STEPS_PER_CALL, EnginePrograms
 from rljax.model import ModelConfig, abstract_params, active_params, count_params
 from rljax.model import lora as lora_lib
 from rljax.pipeline.run import MODEL_ONLY, build
@@ -159,7 +159,8 @@ def train_batch_abstract(cfg: ModelConfig, sharding: sharding_lib.Sharding, *, m
 
 
 def check(config: ml_collections.ConfigDict, *, num_slots: int, max_seq_len: int,
-          name: str | None = None, steps_per_call: int = 8, microbatch_tokens: int = 0,
+          name: str | None = None, steps_per_call: int = STEPS_PER_CALL,
+          microbatch_tokens: int = 0,
           row_len: int = 0, microbatches: int = 1, decode_mesh: dict[str, int] | None = None,
           decode_rules: str = "decode", platform: str | None = None,
           compile_: bool = True, lora_rank: int = 16, topology: str | None = None,

@@ -44,7 +44,7 @@ from rljax.rl.trajectory import Outcome  # noqa: E402
 NEEDS = ("model", "mesh", "env", "engine")
 SMALL_MODEL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, moe_intermediate_size=16, intermediate_size=32)
-STEPS_BEFORE_UPDATE = 2
+STEPS_BEFORE_UPDATE = 1  # engine steps (a decode call of 16 tokens each) on version 0
 
 
 def config():

@@ -247,7 +247,7 @@ def test_in_flight_weight_update(tiny_cfg, tiny_params, policy, serving_layout):
   new_params = jax.tree.map(lambda x: (x * 1.05).astype(x.dtype), tiny_params)
   # committed weights, as a trainer's step hands them over (the pools start uncommitted)
   params = jax.device_put(tiny_params, jax.devices()[0])
-  eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=8, **POOL,
+  eng = DecodeEngine(tiny_cfg, params, numerics=DET, num_slots=8, **POOL, steps_per_call=8,
                      weight_update=policy, serving_layout=serving_layout)
   for r in _requests(tiny_cfg, 4, max_new=30, seed=5):
     eng.submit(r)

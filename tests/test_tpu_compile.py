@@ -14,7 +14,7 @@ from configs import qwen3_30b_a3b
 from rljax import aot, aot_report, hlo_text
 from rljax import sharding as sharding_lib
 from rljax.aot_compile import topology_chips, topology_mesh, uncached
-from rljax.engine.programs import EnginePrograms
+from rljax.engine.programs import STEPS_PER_CALL, EnginePrograms
 from rljax.pipeline.run import MODEL_ONLY, build
 
 GIB = 2 ** 30
@@ -53,15 +53,17 @@ def test_every_program_compiles_for_a_tpu_slice(sharded):
 def test_the_hlo_counts_every_layer_and_decode_step(sharded):
   """The optimized HLO's matmul FLOPs with loops counted as they run (rljax.hlo_flops):
   the train step's scans over its 2 MoE layers (forward and backward) run twice, the
-  engine's decode loop its 8 steps (at most: it stops when every slot is done)."""
+  engine's decode loop its steps_per_call steps (at most: it stops when every slot is
+  done)."""
   train, decode = sharded["train"]["hlo"], sharded["decode"]["hlo"]
   assert not train["unknown_loops"] and not decode["unknown_loops"]
   assert sum(trips == 2 for _, trips in train["loops"]) >= 2, train["loops"]
   assert train["matmul_flops_per_chip"] > 1.3 * train["matmul_flops_per_chip_loops_once"]
   assert train["kernel_flops_per_chip"] > 0  # the TPU's ragged_dot: Mosaic cost estimates
-  assert ["jit(decode)/while", 8] in decode["loops"]
+  steps = sharded["decode"]["steps_per_call"]
+  assert steps == STEPS_PER_CALL and ["jit(decode)/while", steps] in decode["loops"]
   assert decode["bounded_loops"] == ["jit(decode)/while"]
-  assert decode["matmul_flops_per_chip"] > 7 * decode["matmul_flops_per_chip_loops_once"]
+  assert decode["matmul_flops_per_chip"] > (steps - 1) * decode["matmul_flops_per_chip_loops_once"]
 
 
 def test_the_roofline_predicts_from_the_compilers_counts(sharded):

@@ -42,7 +42,7 @@ import numpy as np
 from rljax import distributed
 from rljax import sharding as sharding_lib
 from rljax.engine.pages import OutOfPages, PagePool, pages_for, table_row
-from rljax.engine.programs import EnginePrograms
+from rljax.engine.programs import STEPS_PER_CALL, EnginePrograms
 from rljax.engine.scheduler import Prefill, Request, SamplingParams, Scheduler, Seq
 from rljax.model import ModelConfig
 from rljax.numerics import FAST, Numerics
@@ -60,7 +60,8 @@ class DecodeEngine:
                num_slots: int = 32, max_seq_len: int = 256, num_pages: int | None = None,
                eos_id: int | None = None, version: int = 0,
                weight_update: WeightUpdatePolicy = "keep",
-               sharding: sharding_lib.Sharding | None = None, steps_per_call: int = 8,
+               sharding: sharding_lib.Sharding | None = None,
+               steps_per_call: int = STEPS_PER_CALL,
                max_stop_tokens: int = 4, prefill_buckets: bool = True,
                max_prefill_tokens: int = 0, serving_layout: bool | None = None):
     """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
