@@ -15,7 +15,10 @@ Workloads (configs/tiny_moe.py's shapes, random weights, fast numerics, one CPU 
 Slots 32 and 256; N in STEPS. Timing: the N's engines alternate (A B C D, repeated) on
 identical requests; tokens/s from medians; ratios are medians of per-round ratios against
 N = 8 (the default before this bench). Also each run's slot-steps computed per token
-generated (1.0: no slot idled). Last line: one JSON object.
+generated (1.0: no slot idled), and whether every N sampled the same greedy tokens (fast
+numerics is not batch-invariant: on varied lengths the N's batch compositions differ, so
+near-ties may break differently; deterministic numerics gives the same tokens for any N,
+tests/test_engine.py). Last line: one JSON object.
 """
 
 import json
