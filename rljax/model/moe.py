@@ -100,7 +100,7 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local, f = gate.shape[1], gate.shape[2]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
-  path = resolved_path(path, numerics, t, ids.shape[1], row_tile, gate.shape)
+  path = resolved_path(path, numerics, t, e_local, ids.shape[1], row_tile)
   if path == "tiled" or (numerics.deterministic and path == "ragged"):
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
                        row_tile, kernel)
@@ -138,16 +138,16 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   return jnp.where(is_local[..., None], y, jnp.zeros((), x.dtype))
 
 
-def resolved_path(path: str, numerics: Numerics, tokens: int, top_k: int, row_tile: int,
-                  gate_shape: tuple[int, int, int]) -> str:
-  """`path` with "by_tokens" made "tiled" or "dense" for a call of `tokens` tokens of
-  experts whose gate weights are [D, E, F] (`tiled_beats_dense`)."""
+def resolved_path(path: str, numerics: Numerics, tokens: int, num_experts: int, top_k: int,
+                  row_tile: int) -> str:
+  """`path` with "by_tokens" made "tiled" or "dense" for a call of `tokens` tokens
+  (`tiled_beats_dense`)."""
   if path != "by_tokens":
     return path
   if numerics.deterministic:
     raise ValueError("expert path 'by_tokens' mixes the dense and tiled paths' bits: "
                      "not in deterministic numerics")
-  return "tiled" if tiled_beats_dense(tokens, gate_shape[1], top_k, row_tile) else "dense"
+  return "tiled" if tiled_beats_dense(tokens, num_experts, top_k, row_tile) else "dense"
 
 
 def dense_mixture(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array,
@@ -238,9 +238,9 @@ def tile_plan(slot_expert: jax.Array, num_experts: int, row_tile: int, *,
 # one device) and only the routed ones in tiles ("tiled", then `combine`): tiled when the
 # dense path has more than this many rows per tiled row (`dense_work_ratio`).
 # experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): dense was the faster at
-# every ratio up to 3.8 (0.19-0.92 of tiled's time; 3.2 a tie at 128 experts), tiled from
-# 5.3 up (1.1-1.9x) but once (7.1: 0.68); with dense as a per-expert batched dot and a
-# separate combine the two crossed at 2.0.
+# every ratio up to 3.8 (0.20-0.94 of tiled's time), tiled from 5.3 up (1.2-2.1x) but
+# once (7.1: 0.58); with dense as a per-expert batched dot and a separate combine the two
+# crossed at 2.0.
 TILED_BEATS_DENSE_AT = 4.0
 
 
@@ -461,7 +461,7 @@ def moe_block(x: jax.Array, params: dict, *, top_k: int, norm_topk_prob: bool,
                       for n, axes in (("gate", ("embed", "expert", "mlp")),
                                       ("up", ("embed", "expert", "mlp")),
                                       ("down", ("expert", "mlp", "embed"))))
-    path = resolved_path(path, numerics, x.shape[0], top_k, row_tile, gate.shape)
+    path = resolved_path(path, numerics, x.shape[0], gate.shape[1], top_k, row_tile)
     if path == "dense" and not numerics.deterministic:
       return dense_mixture(x, ids, weights, gate, up, down, numerics), ids
     y = experts_local(x, ids, gate, up, down, 0, numerics, path, row_tile, kernel)
