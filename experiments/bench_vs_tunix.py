@@ -15,9 +15,9 @@ What each side does per generate call:
 - rljax (`.venv`): `DecodeEngine.generate` with fast numerics, `num_slots=batch`,
   `max_seq_len=80`: one prefill of the prompts (sampling each row's first token), then
   the 63 remaining one-token steps in decode calls of `--steps_per_call` steps each, on a
-  paged KV cache (attention reads only live pages; experts `by_tokens`: a decode step of
-  32 rows runs every expert densely, one of 256 rows only the routed experts in tiles,
-  by `moe.TILED_BEATS_DENSE_AT`); each step also keeps the sampled token's log-prob (an
+  paged KV cache (attention reads only live pages; experts `by_tokens`, which for 8
+  experts top-2 is every expert densely, `moe.dense_mixture`, by
+  `moe.TILED_BEATS_DENSE_AT`); each step also keeps the sampled token's log-prob (an
   f32 log-softmax) and the routing ids, which Tunix does not; every call's tokens come
   back to the host scheduler, which builds the Trajectory records.
 - Tunix (`.venv-tunix`, made by `make tunix`): `Sampler.__call__` with a KV cache of 80
@@ -39,7 +39,8 @@ only one worker runs at a time. Reported: median tokens/s of each side and the m
 of per-round ratios tunix_time / rljax_time (> 1: rljax faster). Correctness: the same
 comparison run once (the warm-up call) in float32 params and compute on both sides; the
 greedy tokens must be identical (else exit 1 after the JSON line). The timed runs are bf16
-params; their tokens' agreement is reported too (bf16 rounding differs between the sides). Last stdout line: one JSON object.
+params; their tokens' agreement is reported too (bf16 rounding differs between the sides).
+Last stdout line: one JSON object.
 
   .venv/bin/python experiments/bench_vs_tunix.py [--config=tiny_moe] [--batches=32,256]
       [--rounds=5] [--steps_per_call=N]
