@@ -97,7 +97,7 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   if kernel not in KERNELS:
     raise ValueError(f"unknown expert kernel {kernel!r}; expected one of {KERNELS}")
   t, d = x.shape
-  e_local, f = gate.shape[1], gate.shape[2]
+  e_local = gate.shape[1]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
   path = resolved_path(path, numerics, t, e_local, ids.shape[1], row_tile)
@@ -105,9 +105,7 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
     y = _experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
                        row_tile, kernel)
   elif path == "dense":  # every local expert, slots picked
-    g = numerics.matmul(x, gate.reshape(d, e_local * f)).astype(x.dtype)
-    u = numerics.matmul(x, up.reshape(d, e_local * f)).astype(x.dtype)
-    hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e_local, f)
+    hidden = _every_experts_hidden(x, gate, up, numerics)
     if numerics.deterministic:
       # one plain 2-D dot per expert: a batched dot's kernel (and rounding) is XLA's choice
       y_all = jnp.stack([numerics.matmul(hidden[:, e], down[e]) for e in range(e_local)],
@@ -167,14 +165,23 @@ def dense_mixture(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Ar
     raise ValueError("dense_mixture sums a token's experts inside one dot: fast numerics only")
   t, d = x.shape
   e, f = gate.shape[1], gate.shape[2]
-  g = numerics.matmul(x, gate.reshape(d, e * f)).astype(x.dtype)
-  u = numerics.matmul(x, up.reshape(d, e * f)).astype(x.dtype)
-  hidden = (silu(g, numerics).astype(x.dtype) * u).reshape(t, e, f)
+  hidden = _every_experts_hidden(x, gate, up, numerics)
   # routing weights cast to the model dtype first, as `combine` (and HF) do
   w = weights.astype(x.dtype).astype(jnp.float32)
   per_expert = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * w[..., None], axis=1)
   mixed = (hidden.astype(jnp.float32) * per_expert[..., None]).astype(x.dtype)
   return numerics.matmul(mixed.reshape(t, e * f), down.reshape(e * f, d)).astype(x.dtype)
+
+
+def _every_experts_hidden(x: jax.Array, gate: jax.Array, up: jax.Array,
+                          numerics: Numerics) -> jax.Array:
+  """The dense paths' hidden activations of every expert for every token: x [T, D], gate
+  and up [D, E, F] -> silu(x gate) * (x up) [T, E, F] in x's dtype (two 2-D dots)."""
+  t, d = x.shape
+  e, f = gate.shape[1], gate.shape[2]
+  g = numerics.matmul(x, gate.reshape(d, e * f)).astype(x.dtype)
+  u = numerics.matmul(x, up.reshape(d, e * f)).astype(x.dtype)
+  return (silu(g, numerics).astype(x.dtype) * u).reshape(t, e, f)
 
 
 def stable_order(keys: jax.Array, num_keys: int) -> jax.Array:
