@@ -1,13 +1,13 @@
 """Grouped matmul for the routed-only MoE: a Pallas kernel (TPU and GPU) and its jnp reference.
 
-The routed-only experts (`rljax.model.moe.tile_plan`) sort a layer's slots by expert into
+The routed-only experts (`rljax.model.moe_tiles.tile_plan`) sort a layer's slots by expert into
 N tiles of r rows, each tile belonging to one expert (a tile's rows past its expert's
 count are padding), and multiply every tile by its expert's weights:
 
   out[n] = xs[n] @ w[tile_expert[n]]        xs [N, r, D], w [E, D, F] -> out [N, r, F] f32
 
 `grouped_matmul_reference` is that product in jnp as the routed-only path
-(`moe._experts_tiled`) writes it: operands as f32 holding the input dtype's values (bf16
+(`moe_tiles.experts_tiled`) writes it: operands as f32 holding the input dtype's values (bf16
 products are exact in f32), f32 accumulation, one (r x D) @ (D x F) dot per tile, no
 split-K.
 

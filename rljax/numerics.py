@@ -235,6 +235,11 @@ class Numerics:
     """Sum over the last axis."""
     return tree_sum(x) if self.deterministic else jnp.sum(x, axis=-1)
 
+  def silu(self, x: jax.Array) -> jax.Array:
+    """x * sigmoid(x) in f32 (deterministic: x / (1 + det_exp(-x)))."""
+    x = x.astype(jnp.float32)
+    return x / (1.0 + det_exp(-x)) if self.deterministic else jax.nn.silu(x)
+
   def exp(self, x: jax.Array) -> jax.Array:
     return det_exp(x) if self.deterministic else jnp.exp(x)
 

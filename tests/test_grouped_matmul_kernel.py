@@ -179,7 +179,7 @@ def test_matches_megablox_gmm(dtype_name):
   its row tile (it requires one; they belong to no group), group_sizes = rows per expert.
   """
   from jax.experimental.pallas.ops.tpu.megablox import gmm  # pylint: disable=g-import-not-at-top
-  from rljax.model.moe import tile_plan  # pylint: disable=g-import-not-at-top
+  from rljax.model.moe_tiles import tile_plan  # pylint: disable=g-import-not-at-top
   s, m = 50, 64
   rng = np.random.default_rng(2)
   slot_expert = rng.integers(0, E, s).astype(np.int32)
@@ -214,10 +214,10 @@ QWEN_ARGS = (jax.ShapeDtypeStruct((QWEN_N, QWEN_R, 2048), jnp.bfloat16),
 
 def test_expert_weight_grads_match_the_per_tile_sums():
   """The TPU path's weight gradient (megablox tgmm, interpreted) against the jnp backward
-  (`moe._tile_weight_grads`: one f32 product per tile, summed tile by tile) on routed tiles
+  (`moe_tiles._tile_weight_grads`: one f32 product per tile, summed tile by tile) on routed tiles
   whose padding rows are zero, an expert without rows included: zero there, elsewhere equal
   within two f32 sums of the same exact products (each row's x * dy is exact in f64)."""
-  from rljax.model.moe import _tile_weight_grads, tile_plan  # pylint: disable=g-import-not-at-top
+  from rljax.model.moe_tiles import _tile_weight_grads, tile_plan  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(5)
   slot_expert = rng.integers(0, E - 1, 70).astype(np.int32)  # expert E - 1 gets no rows
   src, _, te = tile_plan(jnp.asarray(slot_expert), E, R)

@@ -17,7 +17,7 @@ import pytest
 from configs import qwen3_30b_a3b, tiny_moe
 from rljax import aot
 from rljax.aot_compile import mosaic_kernels
-from rljax.model import ModelConfig, forward, init_params, moe
+from rljax.model import ModelConfig, forward, init_params, moe, moe_tiles
 from rljax.numerics import Numerics
 from tests.mosaic import compile_for_tpu
 from tests.shapes import TINY
@@ -118,15 +118,16 @@ def test_the_routed_tiles_written_out_backward_equals_autodiff_of_their_forward(
   ids = jnp.where(jnp.arange(96)[:, None] % 3 == 0, jnp.asarray([2, 3, 4]), ids)  # skew
   w = jnp.asarray(np.random.default_rng(4).normal(size=(96, 3, 32)), jnp.float32)
   slot_expert = jnp.where((ids >= 2) & (ids < 8), ids - 2, 6)
-  src, _, tile_expert = moe.tile_plan(slot_expert.reshape(-1), 6, 8, first_tiles_in_place=True)
+  src, _, tile_expert = moe_tiles.tile_plan(slot_expert.reshape(-1), 6, 8,
+                                            first_tiles_in_place=True)
 
   def loss(tiles, x, gate, up, down):
     y = tiles(x, gate, up, down, src, tile_expert, FAST, 8, "jnp", 6, 3)
     return jnp.sum(y.astype(jnp.float32) * w)
 
-  autodiff = lambda *a: moe._routed_tiles_forward(*a)[0]  # noqa: E731
+  autodiff = lambda *a: moe_tiles._routed_tiles_forward(*a)[0]  # noqa: E731
   grads = {name: jax.jit(jax.grad(functools.partial(loss, tiles), argnums=(0, 1, 2, 3)))(
-      x, gate, up, down) for name, tiles in (("custom", moe._routed_tiles),
+      x, gate, up, down) for name, tiles in (("custom", moe_tiles._routed_tiles),
                                             ("autodiff", autodiff))}
   assert np.asarray(jnp.bincount(slot_expert.reshape(-1), length=7))[:6].max() > 16
   for got, want in zip(grads["custom"], grads["autodiff"]):
@@ -193,7 +194,7 @@ def test_the_tile_plan_holds_every_slot_once_in_a_tile_of_its_expert(row_tile, i
   e, s = 5, 37
   # skewed routing (one expert takes most slots) and slots computed elsewhere (= e)
   slot_expert = rng.choice(e + 1, s, p=[0.6, 0.1, 0.1, 0.05, 0.0, 0.15])
-  plan = jax.jit(functools.partial(moe.tile_plan, first_tiles_in_place=in_place),
+  plan = jax.jit(functools.partial(moe_tiles.tile_plan, first_tiles_in_place=in_place),
                  static_argnums=(1, 2))
   src, dest, tile_expert = map(np.asarray, plan(jnp.asarray(slot_expert, jnp.int32), e,
                                                 row_tile))
@@ -353,5 +354,5 @@ def test_the_combine_backward_is_autodiffs():
 @pytest.mark.parametrize("s,num_keys", [(1, 1), (37, 6), (8192, 129)])
 def test_stable_order_is_a_stable_argsort(s, num_keys):
   keys = jnp.asarray(np.random.default_rng(s).integers(0, num_keys, size=s), jnp.int32)
-  np.testing.assert_array_equal(jax.jit(moe.stable_order, static_argnums=1)(keys, num_keys),
-                                jnp.argsort(keys, stable=True))
+  order = jax.jit(moe_tiles.stable_order, static_argnums=1)(keys, num_keys)
+  np.testing.assert_array_equal(order, jnp.argsort(keys, stable=True))

@@ -86,11 +86,11 @@ class ModelConfig:
   train_experts: str = "auto"
   engine_experts: str = "auto"
   expert_row_tile: int = 32
-  # What multiplies the routed tiles (rljax.model.moe.tile_matmul): "jnp" (one batched
+  # What multiplies the routed tiles (rljax.model.moe_tiles.tile_matmul): "jnp" (one batched
   # dot; what CPUs run), "pallas_tpu" / "pallas_gpu" (pallas_kernels.grouped_matmul:
   # weights read in place by each tile's expert), "pallas_interpret" (the TPU kernel
   # interpreted on CPU: the jnp kernel's bits, tests). The TPU kernels also take the
-  # backward: the tiles' on grouped_matmul and megablox tgmm (moe._routed_tiles_bwd), the
+  # backward: the tiles' on grouped_matmul and megablox tgmm (moe_tiles._routed_tiles_bwd), the
   # "ragged" path's weight gradients on tgmm (grouped_matmul.ragged_dot_tgmm; XLA's
   # transpose of ragged_dot there is a dense masked convolution over every expert).
   # "auto" = "pallas_tpu" on TPU (compiled by Mosaic at Qwen3-30B-A3B's shapes, on a mesh

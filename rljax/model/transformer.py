@@ -135,7 +135,7 @@ def _mlp_block(p, x, ctx):
   dt = cfg.compute_dtype
   g = numerics.matmul(x, _weight(sharding, p["gate"], ("embed", "mlp"))).astype(dt)
   u = numerics.matmul(x, _weight(sharding, p["up"], ("embed", "mlp"))).astype(dt)
-  hidden = moe.silu(g, numerics).astype(dt) * u
+  hidden = numerics.silu(g).astype(dt) * u
   return numerics.matmul(hidden, _weight(sharding, p["down"], ("mlp", "embed"))).astype(dt)
 
 
