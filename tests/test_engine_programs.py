@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.engine import programs as programs_lib
 from rljax.engine.programs import EnginePrograms
 from rljax.numerics import DETERMINISTIC_XLA_FLAGS, Numerics, with_xla_flags
 from tests.xla_flags import production_env
@@ -123,3 +124,27 @@ def test_cpu_programs_keep_each_ynnpack_fusion_a_single_dot():
   for name in ("decode", "prefill"):
     assert set(fused[f"engine {name}"]) == {"dot_general"}, fused
   assert set(fused["xla_default decode"]) > {"dot_general"}, fused  # the option matters
+
+
+def test_unrolled_decode_is_the_scans_bits_and_the_cpu_rule(tiny_cfg, tiny_params):
+  # Deterministic numerics: the unrolled layers are the layer scan's bits, so an engine
+  # forced to unroll samples the same tokens with the same log-probs and routing.
+  reqs = [Request(i, (np.arange(5 + 3 * i) * 11 + i) % tiny_cfg.vocab_size, seed=i,
+                  sampling=SamplingParams(max_new_tokens=9)) for i in range(3)]
+  runs = {}
+  for unroll in (False, True):
+    engine = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, max_seq_len=32,
+                          steps_per_call=4, unroll_layers=unroll)
+    assert engine.programs.unroll_layers is unroll
+    runs[unroll] = sorted(engine.generate(reqs), key=lambda t: t.request_id)
+  for scanned, unrolled in zip(runs[False], runs[True]):
+    np.testing.assert_array_equal(scanned.completion_ids, unrolled.completion_ids)
+    np.testing.assert_array_equal(scanned.behaviour_logprobs, unrolled.behaviour_logprobs)
+    np.testing.assert_array_equal(scanned.expert_ids, unrolled.expert_ids)
+  fast, layers = Numerics("fast"), tiny_cfg.num_hidden_layers
+  assert programs_lib.unrolled_decode("cpu", fast, programs_lib.UNROLL_UP_TO_SLOTS, layers)
+  assert not programs_lib.unrolled_decode("cpu", fast, programs_lib.UNROLL_UP_TO_SLOTS + 1,
+                                          layers)
+  assert not programs_lib.unrolled_decode("cpu", DET, 8, layers)  # the scan: numerics unmeasured
+  assert not programs_lib.unrolled_decode("tpu", fast, 8, layers)
+  assert not programs_lib.unrolled_decode("cpu", fast, 8, programs_lib.UNROLL_MAX_LAYERS + 1)

@@ -63,7 +63,8 @@ class DecodeEngine:
                sharding: sharding_lib.Sharding | None = None,
                steps_per_call: int = STEPS_PER_CALL,
                max_stop_tokens: int = 4, prefill_buckets: bool = True,
-               max_prefill_tokens: int = 0, serving_layout: bool | None = None):
+               max_prefill_tokens: int = 0, serving_layout: bool | None = None,
+               unroll_layers: bool | None = None):
     """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
     most num_slots rows, max_seq_len tokens): least padding, one program per (rows, width)
     bucket, up to (log2 num_slots + 1) x (log2 pages per sequence + 1) compiles. False:
@@ -78,7 +79,9 @@ class DecodeEngine:
     `serving_layout` (None: on accelerators, off on CPU, where every layout is the default
     one): the weights are kept in the layout the decode loop's compiler chose, relaid out
     once per version instead of copied at every decode call (`EnginePrograms`); the decode
-    loop then compiles here."""
+    loop then compiles here.
+    `unroll_layers` (None: `programs.unrolled_decode`'s rule: CPU, fast numerics, few
+    slots): the decode loop runs the layers unrolled instead of in the layer scan."""
     if weight_update not in ("keep", "recompute"):
       raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
     if steps_per_call < 1 or max_stop_tokens < 0:
@@ -107,7 +110,8 @@ class DecodeEngine:
     self.programs = EnginePrograms(cfg, numerics, num_slots=num_slots,
                                    max_blocks=self.max_blocks, steps_per_call=steps_per_call,
                                    max_stop_tokens=max_stop_tokens, sharding=sharding,
-                                   serving_layout=serving_layout)
+                                   serving_layout=serving_layout,
+                                   unroll_layers=unroll_layers)
     num_pages = self.programs.round_pages(num_pages)  # the pool splits evenly
     if serving_layout:
       self.programs.prepare_serving_layout(num_pages)

@@ -46,10 +46,27 @@ STEPS_PER_CALL = 16
 # which on these one-token steps cost more than the ops alone (a [256, 4, 16] q-norm sum
 # took 75 us, the unfused whole step less); "individual dot" keeps every dot a single
 # library call and leaves the rest to XLA's own emitters, as deterministic numerics does
-# process-wide. experiments/bench_vs_tunix.py's workload (AMD EPYC, 2 cores, interleaved
-# processes): decode 1.07x (tiny_moe) and 1.09x (arith_tiny) at 256 slots, 0.98x at 32.
+# process-wide. experiments/bench_vs_tunix.py's workload, with and without the options
+# (AMD EPYC, 2 cores, interleaved processes): 256 slots 1.05x (tiny_moe) / 1.09x
+# (arith_tiny), 32 slots 0.97x / 1.04x.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                         "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+# The decode loop's layers on CPU in fast numerics: unrolled (`ModelConfig.scan_layers`
+# False: each layer's weights a static slice of the stacks) up to this many slots, else
+# the layer scan (which slices every layer's weights out of the stacks at every step).
+# experiments/bench_unrolled_decode.py (AMD EPYC, 2 cores; tokens/s unrolled over scan,
+# 64 new tokens a slot): 8 slots 1.14x (tiny_moe) / 1.22x (arith_tiny), 16: 1.10x / 1.44x,
+# 32: 0.99x / 1.12x, 64-256: 0.96-1.00x.
+# Models of at most UNROLL_MAX_LAYERS layers: the unrolled loop compiles per layer.
+UNROLL_UP_TO_SLOTS = 32
+UNROLL_MAX_LAYERS = 8
+
+
+def unrolled_decode(platform: str, numerics: Numerics, num_slots: int, num_layers: int) -> bool:
+  """Whether the decode loop unrolls the model's layers (see UNROLL_UP_TO_SLOTS)."""
+  return (platform == "cpu" and not numerics.deterministic and num_slots <= UNROLL_UP_TO_SLOTS
+          and num_layers <= UNROLL_MAX_LAYERS)
 
 Pools = tuple[jax.Array, jax.Array]
 
@@ -161,6 +178,8 @@ class EnginePrograms:
   max_stop_tokens: int = 4
   sharding: sharding_lib.Sharding | None = None
   serving_layout: bool = False
+  # the decode loop's layers unrolled instead of scanned (None: `unrolled_decode`'s rule)
+  unroll_layers: bool | None = None
   trace_counts: collections.Counter = dataclasses.field(
       default_factory=collections.Counter, init=False)
   decode: Any = dataclasses.field(init=False, repr=False)
@@ -174,6 +193,9 @@ class EnginePrograms:
   def __post_init__(self):
     if self.steps_per_call < 1 or self.max_stop_tokens < 0:
       raise ValueError("need steps_per_call >= 1 and max_stop_tokens >= 0")
+    if self.unroll_layers is None:
+      object.__setattr__(self, "unroll_layers", unrolled_decode(
+          self._platform, self.numerics, self.num_slots, self.cfg.num_hidden_layers))
     params = self._param_placement()
     if self.serving_layout:
       params = jax.tree.map(lambda s: Format(Layout.AUTO, s), params)
@@ -196,7 +218,9 @@ class EnginePrograms:
     cfg, numerics, sh = self.cfg, self.numerics, self.sharding
     kv, rep = (self.kv_sharding, self.kv_sharding), self._replicated
     fn, donate, ins, outs = {
-        "decode": (functools.partial(decode_loop, cfg=cfg, numerics=numerics,
+        "decode": (functools.partial(decode_loop, numerics=numerics,
+                                     cfg=dataclasses.replace(cfg, scan_layers=False)
+                                     if self.unroll_layers else cfg,
                                      steps_per_call=self.steps_per_call, sharding=sh),
                    (1,), (params, kv) + (rep,) * 9, (rep,) * 4 + (kv,)),
         "prefill": (functools.partial(prefill, cfg=cfg, numerics=numerics,
