@@ -3,21 +3,23 @@ routed experts in tiles ("tiled"), by experts, top-k and tokens per call.
 
 Workload: one MoE layer's experts and the combine of each token's k outputs, as the
 engine's `moe_block` runs them on one device (dense: `moe.dense_mixture`, the combine
-folded into one down-projection dot; tiled: `moe.experts_local(path="tiled")` then
-`moe.combine`), fast numerics, the engine's compute dtype on this CPU
+folded into one down-projection dot; tiled: `moe_tiles.experts_tiled(exact=False)`, the
+tiles "by_tokens" runs (operands in the compute dtype), then `moe.combine`), fast
+numerics, the engine's compute dtype on this CPU
 (`ModelConfig(dtype="auto").resolved("cpu", "fast")`), jitted, on T tokens of random
 activations routed uniformly at random (Dirichlet routing weights), for tiny_moe's
 experts (8, top-2, hidden 64, width 32), arith_tiny's (8, top-2, 128, 128), 32 experts
 top-4 and Qwen3-30B-A3B's count (128, top-8) at widths 128 / 64;
 T from a decode step of 8 slots to a prefill of 2,048 tokens. The decision variable is
 `moe.dense_work_ratio`: the dense path's rows (T x E) over the tiled path's (T x k slots +
-E x row tile of padding at most), against `moe.TILED_BEATS_DENSE_AT`. Timing: dense and tiled alternate (A B, repeated), each
-call blocked on; the ratio is the median of per-round ratios dense / tiled (> 1: tiled is
-faster). Then the whole engine (`DecodeEngine.generate`: 16-token prompts, 64 new tokens
-each, greedy, fast numerics) on configs/tiny_moe.py's and configs/arith_tiny.py's shapes
-(max_position_embeddings at least 80) with random weights, at 32 and 256 slots, with
-`engine_experts="dense"` against "tiled" and "by_tokens" (the rule), alternating; ratios
-= medians of per-round times over by_tokens' (> 1: the rule's choice is faster). Last
+E x row tile of padding at most), against `moe.TILED_BEATS_DENSE_AT`. Timing: dense and
+tiled alternate (A B, repeated), each call blocked on; the ratio is the median of per-round ratios
+dense / tiled (> 1: tiled is faster). Then the whole engine (`DecodeEngine.generate`:
+16-token prompts, 64 new tokens each, greedy, fast numerics) on configs/tiny_moe.py's
+and configs/arith_tiny.py's shapes (max_position_embeddings at least 80) with random
+weights, at 32 and 256 slots, with `engine_experts="dense"` against "tiled" (the
+trainer's exact tiles) and "by_tokens" (the rule), alternating; ratios = medians of
+per-round times over by_tokens' (> 1: the rule's choice is faster). Last
 line: one JSON object.
 """
 
@@ -33,7 +35,7 @@ import numpy as np
 from configs import arith_tiny, tiny_moe
 from experiments import machine_info
 from rljax.engine.engine import DecodeEngine, Request, SamplingParams
-from rljax.model import ModelConfig, init_params, moe
+from rljax.model import ModelConfig, init_params, moe, moe_tiles
 from rljax.numerics import Numerics
 
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "alternating timing rounds")
@@ -100,8 +102,8 @@ def main(_):
       w = jnp.asarray(rng.dirichlet(np.ones(k), t), jnp.float32)
       fns = {"dense": jax.jit(lambda x, ids, w: moe.dense_mixture(
                  x, ids, w, gate, up, down, fast)),
-             "tiled": jax.jit(lambda x, ids, w: moe.combine(moe.experts_local(
-                 x, ids, gate, up, down, 0, fast, "tiled", ROW_TILE), w))}
+             "tiled": jax.jit(lambda x, ids, w: moe.combine(moe_tiles.experts_tiled(
+                 x, ids, gate, up, down, fast, ROW_TILE, "jnp", exact=False), w))}
       for fn in fns.values():
         jax.block_until_ready(fn(x, ids, w))  # compile
       ratios, times = [], {"dense": [], "tiled": []}

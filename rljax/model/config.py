@@ -73,8 +73,8 @@ class ModelConfig:
   # one batched dot) or "dense" (every expert for every token; in fast numerics on one
   # device `moe.dense_mixture`, the combine folded into the down projection's dot), or
   # (fast numerics) "by_tokens": per call, "tiled" when dense would compute enough more
-  # rows (prefills), else "dense" (moe.tiled_beats_dense, measured). XLA:CPU expands `ragged_dot`
-  # densely over every expert, so "auto" = on CPU "tiled" for the training forward
+  # rows (prefills), else "dense" (moe.tiled_beats_dense, measured). XLA:CPU expands
+  # `ragged_dot` densely over every expert, so "auto" = on CPU "tiled" for the training forward
   # (thousands of tokens) and "by_tokens" for the engine's forward (decode steps of a few
   # tokens per slot, prefills of many); "ragged" elsewhere. Deterministic
   # mode: "auto" = "tiled" for both (batch-invariant: every tile is one fixed-shape dot;

@@ -93,10 +93,11 @@ def experts_local(x: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array,
   e_local = gate.shape[1]
   local = ids - expert_offset
   is_local = (local >= 0) & (local < e_local)
+  engine_cpu = path == "by_tokens"  # an engine forward: exact tile products not needed
   path = resolved_path(path, numerics, t, e_local, ids.shape[1], row_tile)
   if path == "tiled" or (numerics.deterministic and path == "ragged"):
-    y = moe_tiles.experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down, numerics,
-                       row_tile, kernel)
+    y = moe_tiles.experts_tiled(x, jnp.where(is_local, local, e_local), gate, up, down,
+                                numerics, row_tile, kernel, exact=not engine_cpu)
   elif path == "dense":  # every local expert, slots picked
     hidden = _every_experts_hidden(x, gate, up, numerics)
     if numerics.deterministic:
@@ -178,12 +179,14 @@ def _every_experts_hidden(x: jax.Array, gate: jax.Array, up: jax.Array,
 
 
 # The engine's CPU choice between every expert for every token ("dense": `dense_mixture`,
-# one device) and only the routed ones in tiles ("tiled", then `combine`): tiled when the
-# dense path has more than this many rows per tiled row (`dense_work_ratio`).
-# experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): dense was the faster at
-# every ratio up to 3.8 (0.20-0.94 of tiled's time), tiled from 5.3 up (1.2-2.1x) but
-# once (7.1: 0.58); with dense as a per-expert batched dot and a separate combine the two
-# crossed at 2.0.
+# one device) and only the routed ones in tiles ("tiled", then `combine`; the engine's
+# tiles take bf16 operands, `moe_tiles.experts_tiled(exact=False)`): tiled when the dense
+# path has more than this many rows per tiled row (`dense_work_ratio`).
+# experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): tiled 1.7-2.6x from ratio
+# 5.3 up (32 and 128 experts), dense 1.4-3.5x below 1.0 and on tiny_moe's 64 x 32 experts
+# at every ratio (to 3.8); between 2 and 4 it depends on the shape: tiled 1.06x / 1.47x
+# (32 / 128 experts at 2.7 / 3.2), even on arith_tiny's 8 x 128 x 128 (0.84-1.03x) and
+# slower in its whole engine at 256 slots (0.90-0.95x with the threshold at 2.0).
 TILED_BEATS_DENSE_AT = 4.0
 
 

@@ -83,14 +83,18 @@ GPU_BLOCK_K = 256
 
 
 def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str,
-                in_place: int = 0) -> jax.Array:
+                in_place: int = 0, exact: bool = True) -> jax.Array:
   """xs [N, r, D] tiles, w [E, D, F], tile_expert [N] -> f32 [N, r, F]: each tile times its
   expert's weights (w rounded to xs's dtype), the whole D in one fixed-shape product.
 
   kernel "jnp": batched dots with f32 operands holding the input values (bf16 products
-  are exact in f32; XLA:CPU has no bf16 batched dot thunk); the first `in_place` tiles
-  are experts 0, 1, ... in order (`tile_plan(first_tiles_in_place=True)`) and take w as
-  it is, the others' weights are gathered per tile;
+  are exact in f32: one rounding, whatever the dot's kernel does with its operands), or,
+  with `exact=False` (the engine's fast path), with the operands in xs's dtype and f32
+  sums (a YNNPACK bf16 batched dot on CPU; the weights gathered per tile at half the
+  bytes);
+  the first `in_place` tiles are experts 0, 1, ... in order
+  (`tile_plan(first_tiles_in_place=True)`) and take w as it is, the others' weights are
+  gathered per tile;
   "pallas_tpu" / "pallas_gpu": `pallas_kernels.grouped_matmul` (Mosaic / Triton: weights
   read in place through the tile's expert id, operands in xs's dtype; on GPU the whole D
   does not fit shared memory at real widths, so D is summed in blocks of
@@ -99,6 +103,8 @@ def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str
   (tests). Forward only: `_routed_tiles`' written-out backward differentiates it, with jnp
   dots whatever the kernel (gradients need not be batch-invariant).
   """
+  if kernel == "jnp" and not exact:
+    return _jnp_tiles_inexact(xs, w.astype(xs.dtype), tile_expert, in_place)
   if kernel == "jnp":
     return _jnp_tiles(xs, w, tile_expert, in_place)
   if kernel == "pallas_interpret":
@@ -122,6 +128,13 @@ def _jnp_tiles(xs, w, tile_expert, in_place):
   return jnp.concatenate([first, later])
 
 
+def _jnp_tiles_inexact(xs, w, tile_expert, in_place):
+  """`_jnp_tiles` on operands in xs's dtype (w already cast), f32 sums: fast numerics."""
+  dot = functools.partial(jnp.einsum, "nrd,ndf->nrf", preferred_element_type=jnp.float32)
+  later = dot(xs[in_place:], w[tile_expert[in_place:]])
+  return jnp.concatenate([dot(xs[:in_place], w), later]) if in_place else later
+
+
 def _tiles_transposed(dy, w, tile_expert, in_place):
   """dy [N, r, F] f32, w [E, D, F] f32 -> f32 [N, r, D]: each tile times its expert's
   weights transposed (`_jnp_tiles`' backward for its input)."""
@@ -142,9 +155,13 @@ def _tile_weight_grads(xs, dy, tile_expert, num_experts, in_place):
   return first.at[tile_expert[in_place:]].add(per_tile)
 
 
-def experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile, kernel):
+def experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile, kernel, exact=True):
   """Routed experts only (the "tiled" path, see the module doc). slot_expert [T, k]: local
   expert of each slot, E_local for none. -> [T, k, D].
+
+  `exact=False` (the engine's fast CPU path, `moe`'s "by_tokens"; a forward that is never
+  differentiated): the jnp kernel's dots take the operands in the compute dtype
+  (`tile_matmul`); the trainer's tiles keep exact products and the written-out backward.
 
   The jnp kernel lays expert e's first tile at tile e (no weight gather for those); the
   Pallas kernels read weights in place anyway and get each expert's tiles together. The
@@ -155,19 +172,24 @@ def experts_tiled(x, slot_expert, gate, up, down, numerics, row_tile, kernel):
   in_place = e_local if kernel == "jnp" else 0
   src, _, tile_expert = tile_plan(slot_expert.reshape(-1), e_local, row_tile,
                                   first_tiles_in_place=bool(in_place))
+  if not exact:
+    return _routed_tiles_forward(x, gate, up, down, src, tile_expert, numerics, row_tile,
+                                 kernel, in_place, k, exact=False)[0]
   return _routed_tiles(x, gate, up, down, src, tile_expert, numerics, row_tile, kernel,
                        in_place, k)
 
 
 def _routed_tiles_forward(x, gate, up, down, src, tile_expert, numerics, row_tile, kernel,
-                          in_place, k):
+                          in_place, k, exact=True):
   t, d = x.shape
   xs = x.at[src // k].get(mode="fill", fill_value=0).reshape(-1, row_tile, d)
-  g = tile_matmul(xs, gate.transpose(1, 0, 2), tile_expert, kernel, in_place).astype(x.dtype)
-  u = tile_matmul(xs, up.transpose(1, 0, 2), tile_expert, kernel, in_place).astype(x.dtype)
+  g = tile_matmul(xs, gate.transpose(1, 0, 2), tile_expert, kernel, in_place,
+                  exact).astype(x.dtype)
+  u = tile_matmul(xs, up.transpose(1, 0, 2), tile_expert, kernel, in_place,
+                  exact).astype(x.dtype)
   act = numerics.silu(g).astype(x.dtype)
   hidden = act * u
-  ys = tile_matmul(hidden, down, tile_expert, kernel, in_place)
+  ys = tile_matmul(hidden, down, tile_expert, kernel, in_place, exact)
   # padding rows (src = t * k) are dropped; slots computed elsewhere stay 0
   y = jnp.zeros((t * k, d), ys.dtype).at[src].set(ys.reshape(-1, d), mode="drop")
   return y.astype(x.dtype).reshape(t, k, d), (xs, g, u, act, hidden)
