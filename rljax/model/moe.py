@@ -182,11 +182,11 @@ def _every_experts_hidden(x: jax.Array, gate: jax.Array, up: jax.Array,
 # one device) and only the routed ones in tiles ("tiled", then `combine`; the engine's
 # tiles take bf16 operands, `moe_tiles.experts_tiled(exact=False)`): tiled when the dense
 # path has more than this many rows per tiled row (`dense_work_ratio`).
-# experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16): tiled 1.7-2.6x from ratio
-# 5.3 up (32 and 128 experts), dense 1.4-3.5x below 1.0 and on tiny_moe's 64 x 32 experts
-# at every ratio (to 3.8); between 2 and 4 it depends on the shape: tiled 1.06x / 1.47x
-# (32 / 128 experts at 2.7 / 3.2), even on arith_tiny's 8 x 128 x 128 (0.84-1.03x) and
-# slower in its whole engine at 256 slots (0.90-0.95x with the threshold at 2.0).
+# experiments/bench_engine_experts.py (AMD EPYC, 2 cores, bf16; dense over tiled time):
+# tiled 1.6-2.6x from ratio 5.3 up (32 and 128 experts), dense 1.7-3.1x below 1.0; from
+# 2 to 4 neither on every shape or run (0.73-1.57x over three runs; the rule picked the
+# faster in 17 of 20 rows), and a threshold of 2.0 made arith_tiny's whole engine at 256
+# slots 0.90-0.95x (its decode steps tiled).
 TILED_BEATS_DENSE_AT = 4.0
 
 
