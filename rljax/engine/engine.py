@@ -35,14 +35,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed
 from rljax import sharding as sharding_lib
 from rljax.engine.pages import OutOfPages, PagePool, pages_for, table_row
-from rljax.engine.programs import STEPS_PER_CALL, EnginePrograms
+from rljax.engine.programs import STEPS_PER_CALL, EnginePrograms, platform
 from rljax.engine.scheduler import Prefill, Request, SamplingParams, Scheduler, Seq
 from rljax.model import ModelConfig
 from rljax.numerics import FAST, Numerics
@@ -338,12 +337,6 @@ class DecodeEngine:
       src[:len(chunk)] = [c[0] for c in chunk]
       dst[:len(chunk)] = [c[1] for c in chunk]
       self.pools = self.programs.copy(self.pools, src, dst)
-
-
-def platform(sharding: sharding_lib.Sharding | None) -> str:
-  """The platform the engine's programs run on ("cpu", "tpu", "gpu")."""
-  device = jax.devices()[0] if sharding is None else sharding.mesh.devices.flat[0]
-  return device.platform
 
 
 def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: int) -> None:

@@ -63,12 +63,20 @@ UNROLL_UP_TO_SLOTS = 32
 UNROLL_MAX_LAYERS = 8
 
 
-def unrolled_decode(platform: str, numerics: Numerics, num_slots: int, num_layers: int) -> bool:
-  """Whether the decode loop unrolls the model's layers (see UNROLL_UP_TO_SLOTS)."""
-  return (platform == "cpu" and not numerics.deterministic and num_slots <= UNROLL_UP_TO_SLOTS
+def unrolled_decode(backend: str, numerics: Numerics, num_slots: int, num_layers: int) -> bool:
+  """Whether the decode loop on `backend` ("cpu", "tpu", "gpu") unrolls the model's layers
+  (see UNROLL_UP_TO_SLOTS)."""
+  return (backend == "cpu" and not numerics.deterministic and num_slots <= UNROLL_UP_TO_SLOTS
           and num_layers <= UNROLL_MAX_LAYERS)
 
+
 Pools = tuple[jax.Array, jax.Array]
+
+
+def platform(sharding: sharding_lib.Sharding | None) -> str:
+  """The platform the engine's programs run on ("cpu", "tpu", "gpu")."""
+  device = jax.devices()[0] if sharding is None else sharding.mesh.devices.flat[0]
+  return device.platform
 
 
 def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids, temperature,
@@ -195,7 +203,7 @@ class EnginePrograms:
       raise ValueError("need steps_per_call >= 1 and max_stop_tokens >= 0")
     if self.unroll_layers is None:
       object.__setattr__(self, "unroll_layers", unrolled_decode(
-          self._platform, self.numerics, self.num_slots, self.cfg.num_hidden_layers))
+          platform(self.sharding), self.numerics, self.num_slots, self.cfg.num_hidden_layers))
     params = self._param_placement()
     if self.serving_layout:
       params = jax.tree.map(lambda s: Format(Layout.AUTO, s), params)
@@ -236,15 +244,10 @@ class EnginePrograms:
       shardings = {"in_shardings": (params,) + (None,) * (len(ins) - 1)}
     else:
       shardings = {}
-    if name in ("decode", "prefill") and self._platform == "cpu":
+    if name in ("decode", "prefill") and platform(self.sharding) == "cpu":
       shardings["compiler_options"] = CPU_COMPILER_OPTIONS
     jitted = jax.jit(self._counted(name, fn), donate_argnums=donate, **shardings)
     self._bind(name, jitted)
-
-  @property
-  def _platform(self) -> str:
-    devices = jax.devices() if self.sharding is None else self.sharding.mesh.devices.flat
-    return next(iter(devices)).platform
 
   def _bind(self, name: str, program: Any) -> None:
     object.__setattr__(self, name, distributed.started_together(

@@ -91,8 +91,7 @@ def tile_matmul(xs: jax.Array, w: jax.Array, tile_expert: jax.Array, kernel: str
   are exact in f32: one rounding, whatever the dot's kernel does with its operands), or,
   with `exact=False` (the engine's fast path), with the operands in xs's dtype and f32
   sums (a YNNPACK bf16 batched dot on CPU; the weights gathered per tile at half the
-  bytes);
-  the first `in_place` tiles are experts 0, 1, ... in order
+  bytes); the first `in_place` tiles are experts 0, 1, ... in order
   (`tile_plan(first_tiles_in_place=True)`) and take w as it is, the others' weights are
   gathered per tile;
   "pallas_tpu" / "pallas_gpu": `pallas_kernels.grouped_matmul` (Mosaic / Triton: weights
