@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rljax import distributed
 from rljax import sharding as sharding_lib
@@ -73,10 +73,14 @@ def unrolled_decode(backend: str, numerics: Numerics, num_slots: int, num_layers
 Pools = tuple[jax.Array, jax.Array]
 
 
-def platform(sharding: sharding_lib.Sharding | None) -> str:
-  """The platform the engine's programs run on ("cpu", "tpu", "gpu")."""
-  device = jax.devices()[0] if sharding is None else sharding.mesh.devices.flat[0]
-  return device.platform
+def platform(sharding: sharding_lib.Sharding | None) -> str | None:
+  """The platform the engine's programs run on ("cpu", "tpu", "gpu"); None on an
+  `AbstractMesh` (`rljax.aot` lowers its programs for any platform)."""
+  if sharding is None:
+    return jax.devices()[0].platform
+  if isinstance(sharding.mesh, AbstractMesh):
+    return None
+  return sharding.mesh.devices.flat[0].platform
 
 
 def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids, temperature,
