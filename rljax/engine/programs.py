@@ -55,9 +55,9 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
 # The decode loop's layers on CPU in fast numerics: unrolled (`ModelConfig.scan_layers`
 # False: each layer's weights a static slice of the stacks) up to this many slots, else
 # the layer scan (which slices every layer's weights out of the stacks at every step).
-# experiments/bench_unrolled_decode.py (AMD EPYC, 2 cores; tokens/s unrolled over scan,
-# 64 new tokens a slot): 8 slots 1.14x (tiny_moe) / 1.22x (arith_tiny), 16: 1.10x / 1.44x,
-# 32: 0.99x / 1.12x, 64-256: 0.96-1.00x.
+# experiments/bench_unrolled_decode.py (AMD EPYC, 2 cores; unrolled over scan, 64 new
+# tokens a slot, two runs): 8 slots 1.14x (tiny_moe) / 1.18-1.22x (arith_tiny), 16:
+# 1.09-1.10x / 1.19-1.44x, 32: 0.99-1.03x / 1.08-1.12x, 64-256: 0.95-1.03x.
 # Models of at most UNROLL_MAX_LAYERS layers: the unrolled loop compiles per layer.
 UNROLL_UP_TO_SLOTS = 32
 UNROLL_MAX_LAYERS = 8
