@@ -5,9 +5,10 @@ No capacity, no drops: a token's output depends only on the token. Expert paths:
 * "tiled" (`rljax.model.moe_tiles`): slots sorted by expert into fixed tiles of
   `row_tile` rows, one expert per tile, batched dots over the tiles (expert e's first tile
   is tile e, so those take the weights in place; further tiles gather theirs) with f32
-  operands holding the compute dtype's values (bf16 products are exact in f32; XLA:CPU has
-  no bf16 batched dot thunk): the routed FLOPs plus under one tile per expert (XLA:CPU
-  expands `ragged_dot` into masked dense dots over every expert instead). Every tile is
+  operands holding the compute dtype's values (bf16 products are exact in f32; the
+  engine's "by_tokens" tiles, never differentiated, take the operands in the compute
+  dtype): the routed FLOPs plus under one tile per expert (XLA:CPU expands `ragged_dot`
+  into masked dense dots over every expert instead). Every tile is
   the same (row_tile x D) @ (D x F) product, with no split-K, so a row's sums depend
   neither on its tile's other rows, nor on how many rows its expert got, nor on the tile
   count: in deterministic mode this is the routed path ("ragged" there means "tiled"),
