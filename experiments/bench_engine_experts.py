@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import arith_tiny, tiny_moe
-from experiments import machine_info
-from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from experiments import engine_rounds, machine_info
+from rljax.engine.engine import DecodeEngine
 from rljax.model import ModelConfig, init_params, moe, moe_tiles
 from rljax.numerics import Numerics
 
@@ -61,26 +61,15 @@ def _engine_rounds(name: str, slots: int, rounds: int) -> dict:
   model["max_position_embeddings"] = max(80, model["max_position_embeddings"])
   base = ModelConfig.from_dict(model)
   params = init_params(base.resolved("cpu", fast), jax.random.key(0))
-  prompts = np.random.default_rng(1).integers(3, base.vocab_size, (slots, 16)).astype(np.int32)
-  greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
   engines = {path: DecodeEngine(ModelConfig(**{**base.__dict__, "engine_experts": path})
                                 .resolved("cpu", fast), params, numerics=fast,
                                 num_slots=slots, max_seq_len=80)
              for path in ("dense", "tiled", "by_tokens")}
-  run = lambda e: e.generate([Request(i, prompts[i], sampling=greedy)  # noqa: E731
-                              for i in range(slots)])
-  for e in engines.values():
-    run(e)  # compile
-  times = {path: [] for path in engines}
-  for _ in range(rounds):
-    for path, e in engines.items():
-      t0 = time.perf_counter()
-      run(e)
-      times[path].append(time.perf_counter() - t0)
-  ratio = lambda a: round(statistics.median(  # noqa: E731
-      x / y for x, y in zip(times[a], times["by_tokens"])), 3)
+  _, times = engine_rounds.generate_rounds(
+      engines, engine_rounds.greedy_prompts(base.vocab_size, slots, seed=1), rounds)
+  ratio = lambda a: round(engine_rounds.median_ratio(times[a], times["by_tokens"]), 3)  # noqa: E731
   return {"config": name, "slots": slots, "tokens": slots * 64,
-          "tok_s": {p: round(slots * 64 / statistics.median(t), 1) for p, t in times.items()},
+          "tok_s": {p: engine_rounds.tok_s(t, slots) for p, t in times.items()},
           "dense_over_by_tokens": ratio("dense"), "tiled_over_by_tokens": ratio("tiled")}
 
 

@@ -19,23 +19,21 @@ the two loops differently, so near-ties may break differently). Last line: one J
 
 import importlib
 import json
-import statistics
-import time
 
 from absl import app, flags
 import jax
 import numpy as np
 
-from experiments import machine_info
+from experiments import engine_rounds, machine_info
+from experiments.engine_rounds import NEW, PROMPT
 from rljax.engine import programs
-from rljax.engine.engine import DecodeEngine, Request, SamplingParams
+from rljax.engine.engine import DecodeEngine
 from rljax.model import ModelConfig, init_params
 from rljax.numerics import Numerics
 
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "alternating timing rounds")
 CONFIGS = ("tiny_moe", "arith_tiny")
 SLOTS = (8, 16, 32, 64, 128, 256)
-PROMPT, NEW = 16, 64
 
 
 def _model(name: str) -> ModelConfig:
@@ -46,31 +44,16 @@ def _model(name: str) -> ModelConfig:
 
 def _measure(cfg: ModelConfig, params, slots: int, rounds: int) -> dict:
   fast = Numerics("fast")
-  rng = np.random.default_rng(slots)
-  prompts = rng.integers(3, cfg.vocab_size, (slots, PROMPT))
-  greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
   engines = {name: DecodeEngine(cfg, params, numerics=fast, num_slots=slots,
                                 max_seq_len=PROMPT + NEW, unroll_layers=unroll)
              for name, unroll in (("scan", False), ("unrolled", True))}
-
-  def run(engine):
-    out = engine.generate([Request(i, prompts[i], sampling=greedy) for i in range(slots)])
-    return np.stack([t.completion_ids for t in sorted(out, key=lambda t: t.request_id)])
-
-  tokens = {name: run(e) for name, e in engines.items()}  # compile and warm up
-  for e in engines.values():
-    run(e)
-  seconds = {name: [] for name in engines}
-  for _ in range(rounds):
-    for name, e in engines.items():
-      t0 = time.perf_counter()
-      run(e)
-      seconds[name].append(time.perf_counter() - t0)
-  ratio = statistics.median(s / u for s, u in zip(seconds["scan"], seconds["unrolled"]))
+  tokens, seconds = engine_rounds.generate_rounds(
+      engines, engine_rounds.greedy_prompts(cfg.vocab_size, slots, seed=slots), rounds,
+      warmups=2)
+  ratio = engine_rounds.median_ratio(seconds["scan"], seconds["unrolled"])
   picks_unrolled = programs.unrolled_decode("cpu", fast, slots, cfg.num_hidden_layers)
   return {"slots": slots,
-          "tok_s": {name: round(slots * NEW / statistics.median(v), 1)
-                    for name, v in seconds.items()},
+          "tok_s": {name: engine_rounds.tok_s(v, slots) for name, v in seconds.items()},
           "scan_over_unrolled": round(ratio, 3),
           "rule_picks": "unrolled" if picks_unrolled else "scan",
           "rule_picks_the_faster": picks_unrolled == (ratio > 1),
