@@ -407,6 +407,23 @@ def test_all_greedy_batches_skip_the_draw_but_not_the_result(numerics):
   np.testing.assert_array_equal(all_greedy[0], np.argmax(np.asarray(logits), -1))
 
 
+def test_greedy_tokens_are_numpys_argmax_on_ties_infinities_and_nans():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(0, 1, (9, 33)).astype(np.float32)
+  logits[0] = 0.5  # all tied: the first
+  logits[1, [4, 20]] = 9.0  # a tie for the top: the first of them
+  logits[2] = -np.inf
+  logits[3, 7] = np.inf
+  logits[4, [3, 30]] = np.nan  # numpy's argmax returns the first NaN
+  logits[5, [2, 6]] = [np.inf, np.nan]
+  logits[6] = np.nan
+  logits[7, -1] = 50.0
+  logits[8, 0] = -0.0
+  got = jax.jit(sampling.first_argmax)(logits)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, np.argmax(logits, -1))
+
+
 @pytest.mark.parametrize("numerics", [DET, Numerics("fast")])
 def test_paged_attention_reads_only_visible_blocks_with_the_same_result(numerics):
   # attend_paged gathers the smallest power-of-two block count covering max(q_index);

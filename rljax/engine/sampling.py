@@ -51,16 +51,25 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
       _sample_truncated, numerics=numerics)), logp, keys, greedy, top_k, top_p)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN if any) by two
+  plain reductions: XLA:CPU's two-operand (value, index) reduce took 73 us on [256, 128]
+  logits, these 24 (AMD EPYC, 2 cores)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+
 def _sample_greedy(logp, keys, greedy, top_k, top_p):
   del keys, greedy, top_k, top_p
-  tokens = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+  tokens = first_argmax(logp)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def _sample_full(logp, keys, greedy, top_k, top_p):
   del top_k, top_p
   drawn = jax.vmap(jax.random.categorical)(keys, logp)
-  tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), drawn).astype(jnp.int32)
+  tokens = jnp.where(greedy, first_argmax(logp), drawn).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -78,7 +87,7 @@ def _sample_truncated(logp, keys, greedy, top_k, top_p, *, numerics):
   keep = jnp.zeros_like(keep_sorted).at[jnp.arange(len(order))[:, None], order].set(keep_sorted)
   truncated = jnp.where(keep, logp, NEG_INF)
   drawn = jax.vmap(jax.random.categorical)(keys, truncated)
-  tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), drawn).astype(jnp.int32)
+  tokens = jnp.where(greedy, first_argmax(logp), drawn).astype(jnp.int32)
   chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   full = jnp.all(keep, axis=-1) | greedy
   kept_mass = numerics.sum(jnp.where(keep, numerics.exp(logp), 0.0))
