@@ -83,8 +83,9 @@ def _by_key(trajs):
 def det_runs(tiny_cfg, tiny_params):
   """The same 6 requests (groups of 4) through engines with different slot counts and
   submission orders and decode steps per device call: different batch compositions,
-  slots, companions and chunking; and one with the params in the serving layout (the
-  decode loop compiled ahead of time, what accelerators run)."""
+  slots, companions and chunking; one with the params in the serving layout (the
+  decode loop compiled ahead of time, what accelerators run); and one without `overlap`
+  (every other engine dispatches a call before reading the previous one back)."""
   reqs = _requests(tiny_cfg, 6, n=4)
   runs = {}
   shuffled = [reqs[i] for i in (3, 0, 5, 1, 4, 2)]
@@ -104,6 +105,9 @@ def det_runs(tiny_cfg, tiny_params):
   laid_out = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL,
                           eos_id=EOS, serving_layout=True)
   runs["serving_layout"] = (laid_out, laid_out.generate(reqs))
+  one_at_a_time = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8, **POOL,
+                               eos_id=EOS, overlap=False)
+  runs["one_call_at_a_time"] = (one_at_a_time, one_at_a_time.generate(reqs))
   return runs
 
 
@@ -118,10 +122,14 @@ def test_engine_logprobs_are_bitwise_the_trainers(tiny_cfg, tiny_params, det_run
 def test_tokens_do_not_depend_on_slot_or_companions(det_runs):
   base = _by_key(det_runs["slots8"][1])
   for name in ("slots3_reversed_1step", "slots5_shuffled_3steps", "slots5_capped_unbucketed",
-               "alone", "serving_layout"):
+               "alone", "serving_layout", "one_call_at_a_time"):
     for key, t in _by_key(det_runs[name][1]).items():
       np.testing.assert_array_equal(t.completion_ids, base[key].completion_ids, err_msg=name)
       chex.assert_trees_all_equal(t.behaviour_logprobs, base[key].behaviour_logprobs)
+      np.testing.assert_array_equal(t.expert_ids[:-1], base[key].expert_ids[:-1], err_msg=name)
+      assert t.finish_reason == base[key].finish_reason, name
+  reasons = {t.finish_reason for t in det_runs["slots8"][1]}
+  assert {FinishReason.EOS, FinishReason.LENGTH} <= reasons, reasons  # stops inside calls
 
 
 def test_no_recompiles_and_pages_freed(det_runs):

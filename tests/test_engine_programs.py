@@ -53,11 +53,12 @@ def test_public_programs_reproduce_the_engine_bitwise(tiny_cfg, tiny_params):
   stop_ids = np.full((slots, 5), -1, np.int32)
   for position in (20, 20 + spc):  # the position each call feeds first
     args = (tiny_params, pools, i32(got_tokens[-1], 0), i32(position, -1), i32(spc, 0), table,
-            *sampling_arrays(position + 1), stop_ids)
+            *sampling_arrays(position + 1), stop_ids, np.zeros(slots, bool),
+            (np.zeros(slots, np.int32), np.zeros(slots, bool)))
     if position == 20:  # the abstract arguments aot_check lowers are these arrays' types
       spec = programs.decode_args(num_pages)
       chex.assert_trees_all_equal_shapes_and_dtypes(spec, args)
-    toks, lps, routing, ran, pools = programs.decode(*args)
+    toks, lps, routing, ran, _, pools = programs.decode(*args)
     assert int(ran) == spc
     got_tokens += np.asarray(toks)[:, 0].tolist()
     got_lps.append(np.asarray(lps)[:, 0])

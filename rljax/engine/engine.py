@@ -33,6 +33,7 @@ replicated, so each process reads it from its own devices.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -52,6 +53,16 @@ __all__ = ["DecodeEngine", "OutOfPages", "Request", "SamplingParams", "WeightUpd
 WeightUpdatePolicy = Literal["keep", "recompute"]
 
 
+@dataclasses.dataclass(eq=False)
+class _Call:
+  """A decode call dispatched and not read back yet."""
+  outputs: tuple  # (tokens [N, S], log-probs [N, S], routing [N, S, M, K], steps run)
+  last: tuple  # (last tokens [S], stopped [S]): where its slots' next call continues
+  seqs: list[Seq | None]  # the sequence of each slot's column (None: runs no step)
+  budgets: list[int]
+  version: int  # of the weights it samples with
+
+
 class DecodeEngine:
   """Continuous-batching sampler over paged KV. Not thread-safe; drive it from one loop."""
 
@@ -63,7 +74,7 @@ class DecodeEngine:
                steps_per_call: int = STEPS_PER_CALL,
                max_stop_tokens: int = 4, prefill_buckets: bool = True,
                max_prefill_tokens: int = 0, serving_layout: bool | None = None,
-               unroll_layers: bool | None = None):
+               unroll_layers: bool | None = None, overlap: bool = True):
     """`prefill_buckets`: a prefill call's rows and width are padded to powers of two (at
     most num_slots rows, max_seq_len tokens): least padding, one program per (rows, width)
     bucket, up to (log2 num_slots + 1) x (log2 pages per sequence + 1) compiles. False:
@@ -80,7 +91,12 @@ class DecodeEngine:
     once per version instead of copied at every decode call (`EnginePrograms`); the decode
     loop then compiles here.
     `unroll_layers` (None: `programs.unrolled_decode`'s rule: CPU, fast numerics, few
-    slots): the decode loop runs the layers unrolled instead of in the layer scan."""
+    slots): the decode loop runs the layers unrolled instead of in the layer scan.
+    `overlap`: each decode call is dispatched before the previous one is read back (its
+    slots continue from that call's last tokens, on device), so the host's records and
+    scheduling run while the device decodes; a call's finished sequences come back one
+    step later. The tokens are the same either way (each step is the one-token step with
+    its own sampling keys); off: one call at a time."""
     if weight_update not in ("keep", "recompute"):
       raise ValueError(f"weight_update must be 'keep' or 'recompute', got {weight_update!r}")
     if steps_per_call < 1 or max_stop_tokens < 0:
@@ -123,6 +139,12 @@ class DecodeEngine:
     self.params = self.programs.place_params(params)
     # the page pools (k, v), donated to every program call; page tables travel per call
     self.pools = self.programs.empty_pools(num_pages)
+    self.overlap = overlap
+    self._in_flight: _Call | None = None  # the decode call on device (overlap)
+    self._finished: list[Trajectory] = []  # read back outside `step`, returned by the next
+    # a first call's "previous call": placed like a call's outputs (one program for both)
+    none = (np.zeros(num_slots, np.int32), np.zeros(num_slots, bool))
+    self._no_previous = none if sharding is not None else sharding_lib.committed(none)
 
   # ---- the scheduler's and the programs' state, as attributes of the engine --------------
 
@@ -182,6 +204,8 @@ class DecodeEngine:
     """New weights between decode steps; running sequences are never dropped. `params`:
     host arrays, or global arrays on any sharding of the engine's devices (the trainer's:
     resharded on device, see `EnginePrograms.place_params`)."""
+    if self.weight_update == "recompute":
+      self._drain()  # the cached tokens include that call's
     self.params, self.version = self.programs.place_params(params), version
     if self.weight_update == "recompute":
       running = self.scheduler.cached_ranges()
@@ -191,15 +215,30 @@ class DecodeEngine:
 
   @property
   def idle(self) -> bool:
-    return self.scheduler.idle
+    return self.scheduler.idle and self._in_flight is None and not self._finished
 
   def step(self) -> list[Trajectory]:
-    """Admit what fits, then one decode call for every active slot; returns finished."""
-    finished = self._admit()
-    if self.scheduler.active():
-      finished += self._decode()
-    elif self.waiting and not self.ready and not finished:
+    """Admit what fits, then one decode call for every active slot; returns finished.
+    With `overlap`, the call is dispatched before the previous one is read back, so the
+    records of a call (and the sequences it finished) come in one step later. What was
+    read back before an exception (OutOfPages) is returned by the next step."""
+    if self._in_flight is not None:
+      # with work waiting for a slot, read the call back first: a slot it frees takes
+      # that work in the next call, not one call later
+      backlog = self.scheduler.waiting or self.scheduler.ready
+      ahead = None if backlog else self._launch(self._in_flight)
+      self._finished += self._collect(self._in_flight, ahead)
+      self._in_flight = ahead
+    self._finished += self._admit()
+    if self._in_flight is None and self.scheduler.active():
+      call = self._launch(None)
+      if self.overlap:
+        self._in_flight = call
+      elif call is not None:
+        self._finished += self._collect(call, None)
+    elif self._in_flight is None and self.waiting and not self.ready and not self._finished:
       self.scheduler.relieve_stall()
+    finished, self._finished = self._finished, []
     return finished
 
   def run(self) -> list[Trajectory]:
@@ -292,38 +331,67 @@ class DecodeEngine:
 
   # ---- decode ---------------------------------------------------------------------------
 
-  def _decode(self) -> list[Trajectory]:
-    """One decode call of up to `steps_per_call` steps for every active slot."""
-    budgets, copies = self.scheduler.grant_decode()
+  def _launch(self, previous: _Call | None) -> _Call | None:
+    """Dispatches one decode call of up to `steps_per_call` steps for every active slot;
+    with `previous` (a call not read back yet), the slots it ran continue from its end,
+    on device. None when no slot can run (with `previous`: none without a preemption)."""
+    s = self.num_slots
+    ahead = None if previous is None else [
+        b if seq is not None and seq is self.slots[i] else 0
+        for i, (seq, b) in enumerate(zip(previous.seqs, previous.budgets))]
+    budgets, copies = self.scheduler.grant_decode(ahead)  # may preempt (without `ahead`)
     self._copy_pages(copies)
-    seqs, s = list(self.slots), self.num_slots
-    live = [i for i, seq in enumerate(seqs) if seq is not None]
+    if budgets is None or not any(budgets):
+      return None
+    seqs, ahead = list(self.slots), ahead or [0] * s
+    live = [i for i in range(s) if budgets[i]]
     tokens = np.zeros(s, np.int32)
     positions = np.full(s, -1, np.int32)
     table = np.zeros((s, self.max_blocks), np.int32)
     stop_ids = np.full((s, self.max_stop_tokens + 1), -1, np.int32)
-    tokens[live] = [seqs[i].tokens[-1] for i in live]
-    positions[live] = [len(seqs[i].tokens) - 1 for i in live]
+    tokens[live] = [seqs[i].tokens[-1] for i in live]  # a following slot's: on device
+    positions[live] = [len(seqs[i].tokens) - 1 + ahead[i] for i in live]
     for i in live:
       table[i] = table_row(seqs[i].pages, self.max_blocks)
       stops = self.scheduler.stop_ids(seqs[i])
       stop_ids[i, :len(stops)] = stops
-    toks, lps, routing, ran, self.pools = self.programs.decode(
+    follow = np.asarray(ahead, np.int32) > 0
+    last = self._no_previous if previous is None else previous.last
+    toks, lps, routing, ran, last, self.pools = self.programs.decode(
         self.params, self.pools, tokens, positions, np.asarray(budgets, np.int32), table,
-        *_sampling_arrays(seqs, s), stop_ids)
+        *_sampling_arrays(seqs, s, ahead), stop_ids, follow, last)
+    return _Call((toks, lps, routing, ran), last,
+                 [seq if b else None for seq, b in zip(seqs, budgets)], budgets, self.version)
+
+  def _collect(self, call: _Call, following: _Call | None) -> list[Trajectory]:
+    """Reads `call` back into the records; `following`: the call dispatched after it."""
+    toks, lps, routing, ran = call.outputs
     # each slot's column, read back and converted once for all slots
     toks, lps = np.asarray(toks).T.tolist(), np.asarray(lps).T.tolist()
     routing = np.asarray(routing).swapaxes(0, 1)
     self.stats["decode_calls"] += 1
     self.stats["decode_steps"] += int(ran)
     finished = []
-    for i in live:
-      done = self.scheduler.record_decode(i, toks[i], lps[i], routing[i], budgets[i],
-                                          self.version)
+    for i, seq in enumerate(call.seqs):
+      if seq is None:
+        continue
+      if self.slots[i] is not seq:
+        raise AssertionError(f"slot {i} changed hands while its decode call was on device")
+      follows = following is not None and following.seqs[i] is seq
+      done = self.scheduler.record_decode(i, toks[i], lps[i], routing[i], call.budgets[i],
+                                          call.version, following.budgets[i] if follows else 0)
       if done is not None:
         finished.append(done)
+        if follows:  # it stopped: it runs no step in the following call
+          following.seqs[i] = None
     self.scheduler.fill_slots()
     return finished
+
+  def _drain(self) -> None:
+    """Reads back the call on device, if any (its finished sequences: the next step's)."""
+    if self._in_flight is not None:
+      self._finished += self._collect(self._in_flight, None)
+      self._in_flight = None
 
   def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
     # a page released by a preemption and taken again may be a destination twice: the
@@ -353,9 +421,10 @@ def check_slots(sharding: sharding_lib.Sharding, numerics: Numerics, num_slots: 
                      f"device (so >= {least * shards}), got {num_slots}")
 
 
-def _sampling_arrays(seqs: list[Seq | None], width: int):
+def _sampling_arrays(seqs: list[Seq | None], width: int, ahead: list[int] | None = None):
   """The sampling inputs of `width` slots: key ids (seed, request id (or the request's
-  `sampling_id`), sample index, the next token's position), temperature, top_k, top_p; empty slots get inert defaults."""
+  `sampling_id`), sample index, the next token's position), temperature, top_k, top_p;
+  empty slots get inert defaults. `ahead[i]`: slot i's tokens sampled but not recorded yet."""
   seed = np.zeros(width, np.int32)
   rid = np.zeros(width, np.int32)
   sidx = np.zeros(width, np.int32)
@@ -368,6 +437,7 @@ def _sampling_arrays(seqs: list[Seq | None], width: int):
       continue
     sp = s.request.sampling
     key_rid = s.request.request_id if s.request.sampling_id is None else s.request.sampling_id
-    seed[i], rid[i], sidx[i], pos[i] = (s.request.seed, key_rid, s.sample_index, len(s.tokens))
+    pos[i] = len(s.tokens) + (ahead[i] if ahead else 0)
+    seed[i], rid[i], sidx[i] = s.request.seed, key_rid, s.sample_index
     temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
   return (seed, rid, sidx, pos), temp, top_k, top_p

@@ -84,8 +84,9 @@ def platform(sharding: sharding_lib.Sharding | None) -> str | None:
 
 
 def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids, temperature,
-                top_k, top_p, stop_ids, *, cfg: ModelConfig, numerics: Numerics,
-                steps_per_call: int, sharding: sharding_lib.Sharding | None = None):
+                top_k, top_p, stop_ids, follow, previous, *, cfg: ModelConfig,
+                numerics: Numerics, steps_per_call: int,
+                sharding: sharding_lib.Sharding | None = None):
   """Up to `steps_per_call` one-token decode steps in a `while_loop`.
 
   tokens [S] (each slot's last token), positions [S] (its position; -1 = empty slot),
@@ -95,10 +96,15 @@ def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids
   Slot i runs budgets[i] steps or stops after sampling one of its stop ids; sampled tokens
   are fed back on device. Each step is exactly the one-token step (same forward, same
   sampling keys), so tokens and log-probs do not depend on the chunking.
+  follow [S] bool, previous = (last tokens [S], stopped [S] bool) of the previous call, on
+  device: a following slot continues from that call (dispatched before the host read it
+  back): its token is the previous call's last one, and it runs no step if it stopped there.
   Returns (tokens [N, S], log-probs [N, S] f32, routing [N, S, M, K] int32, steps run [],
-  pools); rows past a slot's last step hold junk.
+  (last tokens [S], stopped [S] bool), pools); rows past a slot's last step hold junk.
   """
   seed, request_id, sample_index, first_pos = key_ids
+  tokens = jnp.where(follow, previous[0], tokens)
+  budgets = jnp.where(follow & previous[1], 0, budgets)
   s, chunk = tokens.shape[0], steps_per_call
   n_moe, k = len(cfg.moe_layers()), max(cfg.num_experts_per_tok, 1)
   outputs = (jnp.zeros((chunk, s), jnp.int32), jnp.zeros((chunk, s), jnp.float32),
@@ -127,8 +133,8 @@ def decode_loop(params, pools: Pools, tokens, positions, budgets, table, key_ids
     return j + 1, (out.kv.k, out.kv.v), new, done, (toks, lps, routes)
 
   init = (jnp.zeros((), jnp.int32), pools, tokens, jnp.zeros(s, bool), outputs)
-  steps, pools, _, _, (toks, lps, routes) = jax.lax.while_loop(cond, body, init)
-  return toks, lps, routes, steps, pools
+  steps, pools, last, done, (toks, lps, routes) = jax.lax.while_loop(cond, body, init)
+  return toks, lps, routes, steps, (last, done), pools
 
 
 def prefill(params, pools: Pools, tokens, positions, table, last, *, cfg: ModelConfig,
@@ -234,7 +240,8 @@ class EnginePrograms:
                                      cfg=dataclasses.replace(cfg, scan_layers=False)
                                      if self.unroll_layers else cfg,
                                      steps_per_call=self.steps_per_call, sharding=sh),
-                   (1,), (params, kv) + (rep,) * 9, (rep,) * 4 + (kv,)),
+                   (1,), (params, kv) + (rep,) * 10 + ((rep, rep),),
+                   (rep,) * 4 + ((rep, rep), kv)),
         "prefill": (functools.partial(prefill, cfg=cfg, numerics=numerics,
                                       num_slots=self.num_slots, sharding=sh),
                     (1,), (params, kv) + (rep,) * 4, (rep, rep, kv)),
@@ -361,7 +368,7 @@ class EnginePrograms:
     return (params, pools, slots(i32), slots(i32), slots(i32),
             slots(i32, self.max_blocks), tuple(slots(i32) for _ in range(4)),
             slots(jnp.float32), slots(i32), slots(jnp.float32),
-            slots(i32, self.max_stop_tokens + 1))
+            slots(i32, self.max_stop_tokens + 1), slots(bool), (slots(i32), slots(bool)))
 
   def prefill_args(self, num_pages: int, rows: int, width: int) -> tuple:
     """`prefill`'s arguments for a call of `rows` x `width` tokens, like `decode_args`."""

@@ -207,25 +207,40 @@ class Scheduler:
         copies += self._writable_block(seq, block)
     return copies
 
-  def grant_decode(self) -> tuple[list[int], PageCopies]:
+  def grant_decode(self, ahead: list[int] | None = None) -> tuple[list[int] | None, PageCopies]:
     """Pages for the next decode call, oldest slot first; returns each slot's step budget
     (0 = empty; slots may be emptied by preemption) and the page copies to run first. A
     budget is capped by the token limits and by the pages it could get: pages are granted
-    for exactly the positions a slot will write (so < 1 page idles per sequence)."""
+    for exactly the positions a slot will write (so < 1 page idles per sequence).
+
+    `ahead` (the engine's overlap): slot i's sequence is `ahead[i]` steps further on, in a
+    call not read back yet (its records are not in). Then nothing is preempted: when a slot
+    would need that, the budgets are None (read the call back first); the copies are still
+    the engine's to run, and pages granted so far stay with their sequences."""
     copies: PageCopies = []
     budgets: dict[int, int] = {}
     for i in sorted(self.active(), key=lambda i: self.slots[i].admitted_at):
       seq = self.slots[i]
       if seq is None:
         continue  # preempted by an earlier slot of this call
-      budget = min(self.steps_per_call, seq.turn_budget - seq.turn_tokens,
-                   self.max_seq_len - len(seq.tokens))
-      budgets[id(seq)] = self._grant_pages(seq, len(seq.tokens) - 1, budget, copies)
+      further = ahead[i] if ahead else 0
+      budget = min(self.steps_per_call, seq.turn_budget - seq.turn_tokens - further,
+                   self.max_seq_len - len(seq.tokens) - further)
+      if budget <= 0:  # it ends in the call ahead
+        budgets[id(seq)] = 0
+        continue
+      granted = self._grant_pages(seq, len(seq.tokens) - 1 + further, budget, copies,
+                                  preempt=ahead is None)
+      if not granted:
+        return None, copies
+      budgets[id(seq)] = granted
     return [0 if s is None else budgets[id(s)] for s in self.slots], copies
 
-  def _grant_pages(self, seq: Seq, first: int, budget: int, copies: PageCopies) -> int:
+  def _grant_pages(self, seq: Seq, first: int, budget: int, copies: PageCopies,
+                   preempt: bool = True) -> int:
     """Writable pages for positions first.. first + budget - 1, as many as the pool gives;
-    returns how many of those positions are covered (>= 1: preempts younger work)."""
+    returns how many of those positions are covered (>= 1: preempts younger work, unless
+    not `preempt`: then 0 when the pool has no page for the first)."""
     granted = 0
     for block in range(first // self.page_size, pages_for(first + budget, self.page_size)):
       while True:
@@ -233,7 +248,7 @@ class Scheduler:
           copies += self._writable_block(seq, block)
           break
         except OutOfPages:
-          if granted:
+          if granted or not preempt:
             return granted  # run to the end of the pages it has; more next call
           self._preempt_youngest(exclude=seq)  # may free nothing: repeat until it does
       granted = min(budget, (block + 1) * self.page_size - first)
@@ -314,10 +329,12 @@ class Scheduler:
     return self._retire(seq, done)
 
   def record_decode(self, slot: int, tokens: list[int], logprobs: list[float],
-                    routing: np.ndarray, steps: int, version: int) -> Trajectory | None:
+                    routing: np.ndarray, steps: int, version: int,
+                    ahead: int = 0) -> Trajectory | None:
     """The slot's column of a decode call (tokens / logprobs: lists of N, routing [N, M, K]):
     it ran `steps` steps unless it sampled a stop id first (only its last token can end it:
-    budgets stop at the token limits). Frees the slot when the sequence ended."""
+    budgets stop at the token limits). Frees the slot when the sequence ended. `ahead`:
+    the steps granted to it in a call already dispatched (the engine's overlap)."""
     seq = self.slots[slot]
     new = tokens[:steps]
     stops = self.stop_ids(seq)
@@ -335,7 +352,7 @@ class Scheduler:
     if done is not None:
       self.slots[slot] = None
       return self._retire(seq, done)
-    waste = (len(seq.pages) * self.page_size - seq.cached) / self.page_size
+    waste = (len(seq.pages) * self.page_size - seq.cached - ahead) / self.page_size
     self.max_waste_pages = max(self.max_waste_pages, waste)
     return None
 
