@@ -56,6 +56,7 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 146
     "test_lora_stream.py", "test_async_pipeline.py", "test_openai_endpoint.py",  # 50-48
     "test_model_invariance.py", "test_sandbox.py", "test_distributed_job.py",  # 43-42
     "test_learning.py", "test_function_call.py", "test_rollout_host.py",  # 40-36
+    "test_engine_multiprocess.py",  # 34 (its workers' setup: 2 processes)
     "test_batch_parts.py",  # 33
     "test_hf_import.py", "test_own_checkpoint_e2e.py", "test_lora.py",  # 31-30
     "test_scan_layers.py", "test_det_attention_kernel.py", "test_engine_sharded.py",  # 29-25
@@ -63,12 +64,12 @@ HEAVIEST_FIRST = (  # worker seconds per file, clean clone of 3b559f0, -n 2: 146
 
 
 # Last of all, when the other worker is likeliest idle or on short files:
-# test_engine_multiprocess's process 0 serves a 1-device reference engine alone while
-# process 1 waits for it at a barrier (600 s at most); test_multihost's kill drill runs
-# 2 trainer processes and a rollout host, which on a loaded core took 59 s of the 60 s
-# budget (third in the order, beside test_pipeline: clean clone of a6602ef; 35-56 s,
-# median 49 s, in 20 rounds of the multi-process files alone).
-LAST = ("test_engine_multiprocess.py", "test_multihost.py")
+# test_multihost's kill drill runs 2 trainer processes and a rollout host, which on a
+# loaded core took 59 s of the 60 s budget (third in the order, beside test_pipeline:
+# clean clone of a6602ef; 35-56 s, median 49 s, in 20 rounds of the multi-process files
+# alone; 48-60.5 s in four clean clones of 9ba30a8 beside test_engine_multiprocess, then
+# also last, whose two processes it ran against; 34 s alone, warm cache).
+LAST = ("test_multihost.py",)
 
 
 def pytest_collection_modifyitems(items):
