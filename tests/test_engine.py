@@ -315,6 +315,27 @@ def test_preemption_under_page_pressure_changes_nothing(tiny_cfg, tiny_params, d
     chex.assert_trees_all_equal(trajs[key].behaviour_logprobs, t.behaviour_logprobs)
 
 
+def test_overlap_under_page_pressure_reads_back_first_and_changes_nothing(tiny_cfg,
+                                                                          tiny_params):
+  # every sample has a slot from the start (no backlog: calls go ahead), but the pages
+  # run out as they grow: a call that would need a preemption is not dispatched ahead
+  reqs = _requests(tiny_cfg, 4, n=2, seed=3, max_new=60)
+  runs = {}
+  for overlap in (True, False):
+    eng = DecodeEngine(tiny_cfg, tiny_params, numerics=DET, num_slots=8,
+                       **(POOL | dict(num_pages=14)), overlap=overlap)
+    runs[overlap] = (eng, _by_key(eng.generate(reqs)))
+  eng = runs[True][0]
+  assert eng.stats["decode_calls_ahead"] > 0 and eng.stats["preemptions"] > 0
+  assert eng.stats["decode_calls_not_ahead_for_pages"] > 0, eng.stats
+  assert eng.pool.used_count == 0 and eng.idle
+  for key, t in runs[False][1].items():
+    got = runs[True][1][key]
+    np.testing.assert_array_equal(got.completion_ids, t.completion_ids)
+    chex.assert_trees_all_equal(got.behaviour_logprobs, t.behaviour_logprobs)
+    np.testing.assert_array_equal(got.expert_ids, t.expert_ids)
+
+
 def test_bad_requests_are_rejected(tiny_cfg, tiny_params):
   eng = DecodeEngine(tiny_cfg, tiny_params, num_slots=2, max_seq_len=32)
   with pytest.raises(ValueError, match="non-empty"):

@@ -341,7 +341,10 @@ class DecodeEngine:
         for i, (seq, b) in enumerate(zip(previous.seqs, previous.budgets))]
     budgets, copies = self.scheduler.grant_decode(ahead)  # may preempt (without `ahead`)
     self._copy_pages(copies)
-    if budgets is None or not any(budgets):
+    if budgets is None:
+      self.stats["decode_calls_not_ahead_for_pages"] += 1
+      return None
+    if not any(budgets):
       return None
     seqs, ahead = list(self.slots), ahead or [0] * s
     live = [i for i in range(s) if budgets[i]]
@@ -360,6 +363,7 @@ class DecodeEngine:
     toks, lps, routing, ran, last, self.pools = self.programs.decode(
         self.params, self.pools, tokens, positions, np.asarray(budgets, np.int32), table,
         *_sampling_arrays(seqs, s, ahead), stop_ids, follow, last)
+    self.stats["decode_calls_ahead"] += previous is not None
     return _Call((toks, lps, routing, ran), last,
                  [seq if b else None for seq, b in zip(seqs, budgets)], budgets, self.version)
 
