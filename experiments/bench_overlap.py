@@ -22,7 +22,6 @@ same one-token step with the same sampling keys). Last line: one JSON object.
 import importlib
 import json
 import statistics
-import time
 
 from absl import app, flags
 import jax
@@ -61,19 +60,7 @@ def _measure(cfg: ModelConfig, params, slots: int, workload: str, rounds: int) -
   requests = _requests(cfg.vocab_size, slots, workload)
   tokens = sum(r.sampling.max_new_tokens for r in requests)
 
-  def run(engine):
-    out = engine.generate(requests)
-    return [t.completion_ids for t in sorted(out, key=lambda t: t.request_id)]
-
-  sampled = {name: run(e) for name, e in engines.items()}  # compile
-  for e in engines.values():
-    run(e)
-  seconds = {name: [] for name in engines}
-  for _ in range(rounds):
-    for name, e in engines.items():
-      t0 = time.perf_counter()
-      run(e)
-      seconds[name].append(time.perf_counter() - t0)
+  sampled, seconds = engine_rounds.alternate(engines, requests, rounds, warmups=2)
   same = all(np.array_equal(a, b) for a, b in zip(sampled["overlap"], sampled["one_at_a_time"]))
   return {"slots": slots, "workload": workload, "requests": len(requests), "new_tokens": tokens,
           "tok_s": {name: round(tokens / statistics.median(v), 1) for name, v in seconds.items()},

@@ -3,8 +3,8 @@
 `greedy_prompts` makes the workload (`slots` prompts of 16 random token ids, 64 new
 tokens each, greedy, no stop token); `generate_rounds` warms every engine up on it
 (`warmups` calls each, the first one compiling), then times one `DecodeEngine.generate`
-of it per engine per round, the engines alternating (A B C, A B C, ...); `median_ratio`
-is the median of per-round time ratios.
+of it per engine per round, the engines alternating (A B C, A B C, ...); `alternate` does
+the same for any requests; `median_ratio` is the median of per-round time ratios.
 """
 
 import statistics
@@ -24,10 +24,18 @@ def greedy_prompts(vocab_size: int, slots: int, seed: int) -> np.ndarray:
 def generate_rounds(engines: dict, prompts: np.ndarray, rounds: int, warmups: int = 1):
   """(each engine's tokens [slots, NEW] from its first call, its seconds per round)."""
   greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+  requests = [Request(i, p, sampling=greedy) for i, p in enumerate(prompts)]
+  tokens, seconds = alternate(engines, requests, rounds, warmups)
+  return {name: np.stack(t) for name, t in tokens.items()}, seconds
+
+
+def alternate(engines: dict, requests: list[Request], rounds: int, warmups: int = 1):
+  """`generate_rounds` for any requests: (each engine's completions in request id order
+  from its first call, its seconds per round)."""
 
   def run(engine):
-    out = engine.generate([Request(i, p, sampling=greedy) for i, p in enumerate(prompts)])
-    return np.stack([t.completion_ids for t in sorted(out, key=lambda t: t.request_id)])
+    out = engine.generate(requests)
+    return [t.completion_ids for t in sorted(out, key=lambda t: t.request_id)]
 
   tokens = {name: run(e) for name, e in engines.items()}  # compile
   for _ in range(warmups - 1):
