@@ -9,7 +9,8 @@ GRPO step (fsdp 4 x expert 2 across processes), publish each version writing onl
 shards they hold, and write their part of one orbax checkpoint (on gs:// too: orbax
 reaches it through etils.epath and gcsfs, pointed at the emulator by
 STORAGE_EMULATOR_HOST). Process 1 is killed after update 3; process 0 aborts once its
-heartbeats stop (HEARTBEAT_S); both restart from update 2's checkpoint. Checked here: the
+heartbeats stop (HEARTBEAT_S); both restart from update 2's checkpoint (the drill is one
+module fixture and two tests: the abort, then the resume). Checked here: the
 survivor's abort, the resumed run (summary, host exit code, lineage cut back and redone,
 no group or task trained twice, queue accounting, trained tokens re-scored on the 8-device
 mesh with the weights of their versions: check_versions_groups), every version's shards
@@ -21,6 +22,7 @@ leaf bitwise equal both ways, the params' serving bits the stream's newest versi
 This file is also the restore worker: `python tests/test_multihost.py CKPT_DIR OUT.npz`.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -116,14 +118,27 @@ def test_two_process_lockstep_loop_is_bitwise_engine_equals_trainer(tmp_path):
   assert sum('"phase": "grpo"' in r for r in records) == 2  # process 0's only
 
 
-@pytest.mark.multidevice
-def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, monkeypatch):
-  from tests.fake_gcs import fake_gcs
+@dataclasses.dataclass
+class _Drill:
+  tmp_path: pathlib.Path
+  root: str
+  survivor_code: int
+  survivor_err: str
+  host: subprocess.Popen
 
-  with fake_gcs(BUCKET) as gcs_url:
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_url)  # gcsfs (orbax) -> fake server
+
+@pytest.fixture(scope="module")
+def kill_drill(tmp_path_factory):
+  """The async run (2 trainer processes, a rollout host, a gs:// root on fake-gcs-server)
+  with process 1 killed -9 after update 3 (update 2's checkpoint written), and the
+  survivor's exit. Yields with the server and the host still up: one test checks the
+  abort, the next resumes the run (two tests of one drill: each under the 60 s budget)."""
+  from tests.fake_gcs import fake_gcs
+  tmp_path = tmp_path_factory.mktemp("kill_drill")
+  with fake_gcs(BUCKET) as gcs_url, pytest.MonkeyPatch.context() as env:
+    env.setenv("STORAGE_EMULATOR_HOST", gcs_url)  # gcsfs (orbax) -> fake server
     # no bucket-type probe through the storage-control API (the emulator has none)
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     root = f"gs://{BUCKET}/runs/async"
     procs = []
     for i, command in enumerate(_trainer_commands(tmp_path, root)):
@@ -142,42 +157,52 @@ def test_two_process_trainer_on_gcs_survives_kill_9_of_one_process(tmp_path, mon
         time.sleep(0.5)
       procs[1].send_signal(signal.SIGKILL)
       procs[1].wait()
-      # the survivor does not hang in a collective: it aborts, told of the death by the
-      # coordination service's heartbeats ("another task died"), or first by Gloo, whose
-      # connection to the dead process breaks mid-collective ("Gloo all-reduce failed: ...
-      # Connection reset by peer", or a torn message: "gloo::EnforceNotMet ... Received
-      # data size doesn't match expected size")
-      assert procs[0].wait(timeout=120) != 0
-      err = (tmp_path / "trainer0.err").read_text()
-      assert re.search(r"another task died|Gloo [\w-]+ failed|gloo::", err), err[-4000:]
-      outs = run_together(_trainer_commands(tmp_path, root, "--resume"),  # from the checkpoint
-                          timeout_s=TIMEOUT, logs=tmp_path / "resumed", cwd=str(REPO),
-                          env=_env(4))
-      host_code = host.wait(timeout=120)
+      code = procs[0].wait(timeout=120)
+      yield _Drill(tmp_path, root, code, (tmp_path / "trainer0.err").read_text(), host)
     finally:
       for p in [*procs, host]:
         if p.poll() is None:
           p.kill()
           p.wait()
       host_log.close()
-    summary, other = outs
-    # the checkpoint restored in another process (8 devices, another layout): started now,
-    # it loads while this process checks the run and the stream
-    ckpt_dir = f"{root}/trainer/checkpoints"
-    worker_out = open(tmp_path / "restore.out", "w+", encoding="utf-8")
-    worker_err = open(tmp_path / "restore.err", "w+", encoding="utf-8")
-    worker = subprocess.Popen([sys.executable, str(HERE), ckpt_dir, str(tmp_path / "other.npz")],
-                              cwd=str(REPO), env=_env(8), stdout=worker_out, stderr=worker_err,
-                              text=True)
-    try:
-      _check_run_stream_and_checkpoint(tmp_path, root, ckpt_dir, summary, other, host_code,
-                                       worker)
-    finally:
-      if worker.poll() is None:
-        worker.kill()
-        worker.wait()
-      worker_out.close()
-      worker_err.close()
+
+
+@pytest.mark.multidevice
+def test_kill_9_of_one_trainer_process_aborts_the_other(kill_drill):
+  # the survivor does not hang in a collective: it aborts, told of the death by the
+  # coordination service's heartbeats ("another task died"), or first by Gloo, whose
+  # connection to the dead process breaks mid-collective ("Gloo all-reduce failed: ...
+  # Connection reset by peer", or a torn message: "gloo::EnforceNotMet ... Received
+  # data size doesn't match expected size")
+  assert kill_drill.survivor_code != 0
+  assert re.search(r"another task died|Gloo [\w-]+ failed|gloo::", kill_drill.survivor_err), (
+      kill_drill.survivor_err[-4000:])
+
+
+@pytest.mark.multidevice
+def test_the_killed_two_process_run_on_gcs_resumes_from_its_checkpoint(kill_drill):
+  tmp_path, root = kill_drill.tmp_path, kill_drill.root
+  outs = run_together(_trainer_commands(tmp_path, root, "--resume"),  # from the checkpoint
+                      timeout_s=TIMEOUT, logs=tmp_path / "resumed", cwd=str(REPO), env=_env(4))
+  host_code = kill_drill.host.wait(timeout=120)
+  summary, other = outs
+  # the checkpoint restored in another process (8 devices, another layout): started now,
+  # it loads while this process checks the run and the stream
+  ckpt_dir = f"{root}/trainer/checkpoints"
+  worker_out = open(tmp_path / "restore.out", "w+", encoding="utf-8")
+  worker_err = open(tmp_path / "restore.err", "w+", encoding="utf-8")
+  worker = subprocess.Popen([sys.executable, str(HERE), ckpt_dir, str(tmp_path / "other.npz")],
+                            cwd=str(REPO), env=_env(8), stdout=worker_out, stderr=worker_err,
+                            text=True)
+  try:
+    _check_run_stream_and_checkpoint(tmp_path, root, ckpt_dir, summary, other, host_code,
+                                     worker)
+  finally:
+    if worker.poll() is None:
+      worker.kill()
+      worker.wait()
+    worker_out.close()
+    worker_err.close()
 
 
 def _check_run_stream_and_checkpoint(tmp_path, root, ckpt_dir, summary, other, host_code,
