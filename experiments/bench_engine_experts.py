@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import arith_tiny, tiny_moe
 from experiments import engine_rounds, machine_info
 from rljax.engine.engine import DecodeEngine
 from rljax.model import ModelConfig, init_params, moe, moe_tiles
@@ -44,7 +43,7 @@ SHAPES = (  # (experts, top_k, hidden, width)
     (8, 2, 64, 32), (8, 2, 128, 128), (32, 4, 128, 64), (128, 8, 128, 64))
 TOKENS = (8, 32, 128, 512, 2048)
 ROW_TILE = 32
-CONFIGS = {"tiny_moe": tiny_moe, "arith_tiny": arith_tiny}
+CONFIGS = ("tiny_moe", "arith_tiny")
 
 
 def _timed(fn, args, reps):
@@ -57,13 +56,10 @@ def _timed(fn, args, reps):
 def _engine_rounds(name: str, slots: int, rounds: int) -> dict:
   """generate() times of the engine with each CPU expert path, alternating."""
   fast = Numerics("fast")
-  model = CONFIGS[name].get_config().model.to_dict()
-  model["max_position_embeddings"] = max(80, model["max_position_embeddings"])
-  base = ModelConfig.from_dict(model)
-  params = init_params(base.resolved("cpu", fast), jax.random.key(0))
-  engines = {path: DecodeEngine(ModelConfig(**{**base.__dict__, "engine_experts": path})
-                                .resolved("cpu", fast), params, numerics=fast,
-                                num_slots=slots, max_seq_len=80)
+  base = engine_rounds.fast_model(name, "cpu")
+  params = init_params(base, jax.random.key(0))
+  engines = {path: DecodeEngine(engine_rounds.fast_model(name, "cpu", engine_experts=path),
+                                params, numerics=fast, num_slots=slots, max_seq_len=80)
              for path in ("dense", "tiled", "by_tokens")}
   _, times = engine_rounds.generate_rounds(
       engines, engine_rounds.greedy_prompts(base.vocab_size, slots, seed=1), rounds)

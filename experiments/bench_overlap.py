@@ -19,7 +19,6 @@ same one-token step with the same sampling keys). Last line: one JSON object.
   .venv/bin/python experiments/bench_overlap.py [--rounds=9]
 """
 
-import importlib
 import json
 import statistics
 
@@ -35,13 +34,7 @@ from rljax.numerics import Numerics
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "alternating timing rounds")
 CONFIGS = ("tiny_moe", "arith_tiny")
 SLOTS = (32, 256)
-PROMPT, MAX_SEQ = 16, 80
-
-
-def _model(name: str) -> ModelConfig:
-  shape = importlib.import_module(f"configs.{name}").get_config().model.to_dict()
-  shape["max_position_embeddings"] = max(shape["max_position_embeddings"], MAX_SEQ)
-  return ModelConfig.from_dict(shape).resolved(jax.default_backend(), Numerics("fast"))
+PROMPT, MAX_SEQ = engine_rounds.PROMPT, engine_rounds.PROMPT + engine_rounds.NEW
 
 
 def _requests(vocab_size: int, slots: int, workload: str) -> list[Request]:
@@ -72,7 +65,7 @@ def _measure(cfg: ModelConfig, params, slots: int, workload: str, rounds: int) -
 def main(_):
   results = {}
   for name in CONFIGS:
-    cfg = _model(name)
+    cfg = engine_rounds.fast_model(name)
     params = init_params(cfg, jax.random.key(0))
     rows = [_measure(cfg, params, slots, workload, _ROUNDS.value)
             for slots in SLOTS for workload in ("fixed", "varied")]

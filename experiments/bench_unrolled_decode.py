@@ -17,7 +17,6 @@ the two loops differently, so near-ties may break differently). Last line: one J
   .venv/bin/python experiments/bench_unrolled_decode.py [--rounds=7]
 """
 
-import importlib
 import json
 
 from absl import app, flags
@@ -34,12 +33,6 @@ from rljax.numerics import Numerics
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "alternating timing rounds")
 CONFIGS = ("tiny_moe", "arith_tiny")
 SLOTS = (8, 16, 32, 64, 128, 256)
-
-
-def _model(name: str) -> ModelConfig:
-  shape = importlib.import_module(f"configs.{name}").get_config().model.to_dict()
-  shape["max_position_embeddings"] = max(shape["max_position_embeddings"], PROMPT + NEW)
-  return ModelConfig.from_dict(shape).resolved(jax.default_backend(), Numerics("fast"))
 
 
 def _measure(cfg: ModelConfig, params, slots: int, rounds: int) -> dict:
@@ -63,7 +56,7 @@ def _measure(cfg: ModelConfig, params, slots: int, rounds: int) -> dict:
 def main(_):
   results = []
   for name in CONFIGS:
-    cfg = _model(name)
+    cfg = engine_rounds.fast_model(name)
     params = init_params(cfg, jax.random.key(0))
     for slots in SLOTS:
       row = {"config": name, **_measure(cfg, params, slots, _ROUNDS.value)}

@@ -1,20 +1,34 @@
 """Engines of one workload timed side by side: what the engine benches share.
 
-`greedy_prompts` makes the workload (`slots` prompts of 16 random token ids, 64 new
+`fast_model` is a config's model as these benches run it; `greedy_prompts` makes the workload (`slots` prompts of 16 random token ids, 64 new
 tokens each, greedy, no stop token); `generate_rounds` warms every engine up on it
 (`warmups` calls each, the first one compiling), then times one `DecodeEngine.generate`
 of it per engine per round, the engines alternating (A B C, A B C, ...); `alternate` does
 the same for any requests; `median_ratio` is the median of per-round time ratios.
 """
 
+import importlib
 import statistics
 import time
 
+import jax
 import numpy as np
 
 from rljax.engine.engine import Request, SamplingParams
+from rljax.model import ModelConfig
+from rljax.numerics import Numerics
 
 PROMPT, NEW = 16, 64
+
+
+def fast_model(name: str, backend: str | None = None, **fields) -> ModelConfig:
+  """configs/<name>.py's model with `fields` set, max_position_embeddings raised to
+  PROMPT + NEW where smaller, resolved for `backend` (None: JAX's default) in fast
+  numerics."""
+  shape = importlib.import_module(f"configs.{name}").get_config().model.to_dict()
+  shape["max_position_embeddings"] = max(shape["max_position_embeddings"], PROMPT + NEW)
+  return ModelConfig.from_dict({**shape, **fields}).resolved(
+      backend or jax.default_backend(), Numerics("fast"))
 
 
 def greedy_prompts(vocab_size: int, slots: int, seed: int) -> np.ndarray:
